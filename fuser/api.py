@@ -1,0 +1,266 @@
+"""api: the pipeline end to end — trace, match, emit, validate, splice — and check().
+
+    fused = fuser.apply(module, example_inputs)   # in place; returns the report
+    fuser.restore(module)                         # undo
+    report = fuser.explain(module, example_inputs)  # what apply would do, nothing installed
+    result = fuser.check(module, example_inputs)    # fused vs eager, outputs and buffers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from fuser.canon import canonicalize, eager_launches, is_glue
+from fuser.emit import KernelSpec, emit, template_names
+from fuser.lower import LoweringError, lower_region, operand
+from fuser.match import Rejection, match_all
+from fuser.pattern import load_patterns
+from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder
+from fuser.report import FusedChain, Rejected, Report, Unfused
+from fuser.splice import Guard, compile_forward, install, is_fused, restore, rewrite_graph
+from fuser.tolerance import mismatch
+from fuser.trace import Traced, preserved_state, trace
+
+
+class FuserError(Exception):
+    """fuser could not fuse the module; the module is left exactly as it was."""
+
+
+@dataclass
+class Kernel:
+    region: Region
+    path: Any
+    launch: Callable
+
+
+@dataclass
+class Plan:
+    traced: Traced
+    kernels: list[Kernel]
+    graph: fx.Graph
+    forward: Callable
+    guard: Guard
+    report: Report
+    notes: dict = field(default_factory=dict)
+
+
+def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
+    if region.template in PARAM_TEMPLATES:
+        inputs = [operand(traced, n, f"in{i}") for i, n in enumerate(region.inputs)]
+        outputs = [operand(traced, n, f"out{i}") for i, n in enumerate(region.outputs)]
+        return KernelSpec(region.template, region.pattern, inputs, outputs, region.params, region.match.sizes)
+    program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs)
+    if region.template == "pointwise" and any(cops[n].op in ("sum", "mean", "amax", "amin", "softmax") for n in region.nodes):
+        raise LoweringError("the pointwise template takes no reductions")
+    sizes = dict(region.match.sizes) if region.match else {}
+    return KernelSpec(region.template, region.pattern, program.inputs, program.outputs, region.params, sizes, program)
+
+
+def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]:
+    """Every node's eager value on the example inputs, cloned when produced (before any write)."""
+    values: dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            values[n] = result.clone() if isinstance(result, torch.Tensor) else result
+            return result
+
+    gm = fx.GraphModule(module, traced.graph)
+    with preserved_state(module, traced.example_inputs), torch.no_grad():
+        Recorder(gm).run(*traced.example_inputs)
+    return values
+
+
+def _validate(kernel: Kernel, values) -> str | None:
+    region = kernel.region
+    with torch.no_grad():
+        got = kernel.launch(*[values[n] for n in region.inputs])
+    for node, actual in zip(region.outputs, got):
+        problem = mismatch(actual, values[node], f"`{node.name}`")
+        if problem:
+            return problem
+    return None
+
+
+def plan(
+    module: torch.nn.Module,
+    example_inputs,
+    *,
+    leaves: Iterable = (),
+    patterns: Iterable = (),
+    guard: Callable[..., bool] | None = None,
+    batch_inputs: dict[str, int] | None = None,
+    validate: bool = True,
+) -> Plan:
+    """Everything :func:`apply` does except installing the fused forward."""
+    traced = trace(module, example_inputs, leaves=leaves, batch_inputs=batch_inputs)
+    cops = canonicalize(traced)
+    all_patterns = load_patterns(list(patterns), template_names())
+    matches, match_rejections = match_all(all_patterns, traced, cops)
+    builder = RegionBuilder(traced.graph, cops)
+    rejected = [Rejected(r.pattern, r.anchor, r.category, r.reason) for r in match_rejections]
+    failed: dict[fx.Node, str] = {}
+    kernels: list[Kernel] = []
+
+    def build(region: Region) -> bool:
+        try:
+            spec = kernel_spec(region, traced, cops)
+        except LoweringError as e:
+            if region.match:
+                rejected.append(Rejected(region.pattern, region.outputs[0].name, "lowering", str(e)))
+            else:
+                failed.update({n: f"generic chain not lowered: {e}" for n in region.nodes})
+            return False
+        path, launch = emit(spec)
+        kernels.append(Kernel(region, path, launch))
+        return True
+
+    taken: set = set()
+    for match in matches:
+        region = builder.from_match(match)
+        if isinstance(region, Rejection):
+            rejected.append(Rejected(region.pattern, region.anchor, region.category, region.reason))
+        elif build(region):
+            taken |= region.covered
+    for region in builder.generic(taken):
+        build(region)
+
+    if validate:
+        values = record_values(module, traced)
+        for kernel in list(kernels):
+            problem = _validate(kernel, values)
+            if problem:
+                kernels.remove(kernel)
+                region = kernel.region
+                rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", problem))
+                failed.update({n: f"fused kernel disagreed with eager ({problem})" for n in region.nodes})
+
+    regions = [k.region for k in kernels]
+    graph = rewrite_graph(traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)})
+    forward = compile_forward(graph, module)
+    report = _report(module, traced, cops, kernels, rejected, failed)
+    return Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
+
+
+def _report(module, traced, cops, kernels, rejected, failed) -> Report:
+    covered = set().union(*(k.region.covered for k in kernels)) if kernels else set()
+    glue = [n for n in traced.graph.nodes if n in cops and is_glue(cops[n])]
+    report = Report(module=type(module).__name__, rejected=rejected)
+    report.glue_nodes_before = len(glue)
+    report.launches_before = sum(eager_launches(cops[n]) for n in glue)
+    for k in kernels:
+        r = k.region
+        report.chains.append(
+            FusedChain(
+                kernel=k.path.stem,
+                template=r.template,
+                pattern=r.pattern,
+                params=r.params,
+                nodes=[n.name for n in sorted(r.covered, key=lambda n: n.name)],
+                inputs=[n.name for n in r.inputs],
+                outputs=[n.name for n in r.outputs],
+                launches_replaced=sum(eager_launches(cops[n]) for n in r.covered),
+            )
+        )
+    for node in glue:
+        if node in covered:
+            continue
+        cop = cops[node]
+        launches = eager_launches(cop)
+        if launches == 0:
+            continue  # views and no-ops cost nothing; they stay as they are
+        report.unfused.append(Unfused(node.name, cop.op, failed.get(node) or _reason(cop), launches))
+    report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
+    report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
+    return report
+
+
+def _reason(cop) -> str:
+    from fuser.canon import MUTATION, UNSUPPORTED
+
+    if cop.kind == UNSUPPORTED:
+        return f"no template lowers {cop.op}"
+    if cop.kind == MUTATION:
+        return "in-place write: kept in program order, never fused across"
+    return "alone between barriers: nothing to fuse it with"
+
+
+def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
+    """Fuse ``module``'s glue in place. On any error the module is left exactly as it was."""
+    if is_fused(module):
+        raise FuserError(f"{type(module).__name__} is already fused; call fuser.restore() first")
+    with preserved_state(module, example_inputs):
+        try:
+            p = plan(module, example_inputs, **options)
+        except Exception as e:
+            raise FuserError(f"fuser.apply left {type(module).__name__} unchanged: {e}") from e
+    install(module, p.forward, p.guard, p.report)
+    return p.report
+
+
+def explain(module: torch.nn.Module, example_inputs, **options) -> Report:
+    """What :func:`apply` would fuse, and why the rest is not; installs nothing."""
+    with preserved_state(module, example_inputs):
+        return plan(module, example_inputs, **options).report
+
+
+@dataclass
+class CheckResult:
+    ok: bool
+    problems: list[str]
+    compared: list[str]
+    report: Report | None = None
+
+    def text(self) -> str:
+        head = "check passed" if self.ok else "check FAILED"
+        lines = [f"{head}: fused vs eager on the example inputs ({len(self.compared)} tensors compared)"]
+        lines += [f"  {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _state_tensors(module: torch.nn.Module, inputs) -> dict[str, torch.Tensor]:
+    tensors = {f"buffer {n}": b for n, b in module.named_buffers()}
+    tensors.update({f"input {i}": x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)})
+    return tensors
+
+
+def _run(module, inputs):
+    with torch.no_grad():
+        out = module(*inputs)
+    state = {k: v.detach().clone() for k, v in _state_tensors(module, inputs).items()}
+    return out, state
+
+
+def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
+    """Run fused and eager from identical state; compare outputs and every buffer and input
+    the forward writes in place. The module and inputs are left as they were."""
+    inputs = tuple(example_inputs)
+    with preserved_state(module, inputs):
+        eager_out, eager_state = _run(module, inputs)
+    report = apply(module, inputs, **options)
+    try:
+        state = module.__dict__["_fuser_state"]
+        reason = state.guard.why_not(inputs, {})
+        if reason:
+            return CheckResult(False, [f"the guard refuses the example inputs: {reason}"], [], report)
+        with preserved_state(module, inputs):
+            fused_out, fused_state = _run(module, inputs)
+    finally:
+        restore(module)
+    problems, compared = [], ["output"] + list(eager_state)
+    problem = mismatch(fused_out, eager_out, "output")
+    if problem:
+        problems.append(problem)
+    for name, expected in eager_state.items():
+        problem = mismatch(fused_state[name], expected, name)
+        if problem:
+            problems.append(problem)
+    return CheckResult(not problems, problems, compared, report)
+
+
+__all__ = ["apply", "restore", "explain", "check", "plan", "FuserError", "Report", "CheckResult"]

@@ -1,0 +1,333 @@
+"""canon: a canonical view of a traced graph, so that spellings of the same math compare equal.
+
+Every fx node gets one :class:`COp`: a canonical op name, its tensor/scalar arguments (with
+transparent nodes such as no-op casts and ``contiguous()`` looked through), normalised static
+attributes (non-negative dims, output shapes with the batch dim as -1, dtypes) and the fx nodes
+it stands for. Rewrites fold spelling variants into one form:
+
+    x*x, x**2, x.pow(2), x.square(), torch.square(x)   -> square(x)
+    1/sqrt(x), sqrt(x).reciprocal(), x.pow(-0.5)       -> rsqrt(x)
+    sum(x, d) / n, sum(x, d) * (1/n)   (n = the size)  -> mean(x, d)
+    x * sigmoid(x)                                     -> silu(x)
+    clamp_min / clamp_max / clip                       -> clamp
+    method vs function, view vs reshape, args vs kwargs -> the same op and attributes
+
+Both the model graph and every pattern's reference graph go through this module, so matching
+is a plain structural comparison of COps.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fuser.opaque import is_opaque
+from fuser.trace import Traced
+
+# What a node is, for grouping and for counting kernel launches.
+COMPUTE = "compute"  # elementwise / reduction / cast: fusible, one launch in eager
+UNIT_VIEW = "unit_view"  # inserts or drops size-1 dims, or broadcasts: fusible, free
+VIEW = "view"  # any other view or slice: free, never inside a fused kernel
+META = "meta"  # size arithmetic on Python ints: free
+INPUT = "input"  # placeholders and parameters/buffers
+HEAVY = "heavy"  # GEMMs, attention, experts, opaque leaves: kept as they are
+MUTATION = "mutation"  # in-place writes: kept, ordered, never fused across
+UNSUPPORTED = "unsupported"  # glue no template can lower yet: kept, reported with the op name
+
+GLUE_KINDS = (COMPUTE, UNIT_VIEW, VIEW, MUTATION, UNSUPPORTED)
+
+UNARY = {
+    "neg", "abs", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "reciprocal",
+    "sigmoid", "tanh", "silu", "relu", "sin", "cos", "square", "erf", "floor", "ceil", "copy",
+}  # fmt: skip
+BINARY = {"add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge"}
+COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne"}
+REDUCTIONS = {"sum", "mean", "amax", "amin"}
+ELEMENTWISE = UNARY | BINARY | {"clamp", "softplus", "where", "cast"}
+
+HEAVY_FUNCTIONS = {
+    F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.einsum, torch.addmm,
+    torch.baddbmm, F.scaled_dot_product_attention,
+}  # fmt: skip
+if hasattr(torch, "_grouped_mm"):
+    HEAVY_FUNCTIONS.add(torch._grouped_mm)
+HEAVY_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
+
+_OPERATOR_NAMES = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.neg: "neg", operator.pow: "pow", operator.eq: "eq", operator.ne: "ne",
+    operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge",
+}  # fmt: skip
+_ALIASES = {
+    "true_divide": "div", "multiply": "mul", "subtract": "sub", "negative": "neg", "clip": "clamp",
+    "clamp_min": "clamp", "clamp_max": "clamp", "pow_": None, "absolute": "abs", "max_elementwise": "maximum",
+}  # fmt: skip
+_VIEW_METHODS = {
+    "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
+    "permute", "transpose", "t", "narrow", "view_as", "reshape_as", "movedim", "select",
+}  # fmt: skip
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)
+_CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
+_TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
+
+# Positional parameter names after the input, per canonical op (method and torch.* agree).
+_POSITIONAL = {
+    "sum": ("dim", "keepdim"), "mean": ("dim", "keepdim"), "amax": ("dim", "keepdim"),
+    "amin": ("dim", "keepdim"), "softmax": ("dim",), "log_softmax": ("dim",),
+    "clamp": ("min", "max"), "softplus": ("beta", "threshold"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class COp:
+    op: str
+    kind: str
+    args: tuple  # fx.Node or Python scalars
+    attrs: tuple  # sorted (name, value) pairs
+    covers: tuple  # the fx nodes this op stands for; covers[0] is the node itself
+
+    @property
+    def node(self) -> fx.Node:
+        return self.covers[0]
+
+    def attr(self, name: str, default=None):
+        return dict(self.attrs).get(name, default)
+
+
+def op_name(node: fx.Node) -> str:
+    """A readable name for an fx node's target: 'mul', 'rsqrt', 'mlp.experts', ..."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        if node.target in _OPERATOR_NAMES:
+            return _OPERATOR_NAMES[node.target]
+        return getattr(node.target, "__name__", str(node.target))
+    return str(node.target)
+
+
+class Canonicalizer:
+    """Builds the COp of every node of a traced graph."""
+
+    def __init__(self, traced: Traced):
+        self.traced = traced
+        self.cops: dict[fx.Node, COp] = {}
+        for node in traced.graph.nodes:
+            if node.op != "output":
+                self.cops[node] = self._rewrite(self._canonical(node))
+
+    # --- helpers -----------------------------------------------------------------------------
+    def value(self, node):
+        return self.traced.value(node) if isinstance(node, fx.Node) else node
+
+    def batch_dims(self, node) -> tuple[int, ...]:
+        return self.traced.batch_dims(node) if isinstance(node, fx.Node) else ()
+
+    def resolve(self, arg):
+        """Look through transparent nodes (no-op casts, contiguous(), detach())."""
+        while isinstance(arg, fx.Node) and arg in self.cops and self.cops[arg].op == "identity":
+            arg = self.cops[arg].args[0]
+        return arg
+
+    def static_shape(self, node) -> tuple[int, ...]:
+        """The node's shape with batch dims written as -1."""
+        value = self.value(node)
+        batch = self.batch_dims(node)
+        return tuple(-1 if i in batch else int(s) for i, s in enumerate(value.shape))
+
+    def _make(self, node, op, kind, args=(), attrs=None, covers=()):
+        args = tuple(self.resolve(a) for a in args)
+        attrs = tuple(sorted((attrs or {}).items()))
+        return COp(op, kind, args, attrs, (node,) + tuple(covers))
+
+    def _sole_user(self, node, user) -> bool:
+        return isinstance(node, fx.Node) and list(node.users) == [user]
+
+    def _fp32(self, node) -> bool:
+        """Folding two ops into one is exact only where the intermediate is not rounded."""
+        return isinstance(node, fx.Node) and self.value(node).dtype in (torch.float32, torch.float64)
+
+    # --- classification ----------------------------------------------------------------------
+    def _canonical(self, node: fx.Node) -> COp:
+        value = self.value(node)
+        if node.op in ("placeholder", "get_attr"):
+            return self._make(node, "input", INPUT)
+        if node.op == "call_module":
+            return self._make(node, node.target, HEAVY, node.args)
+        if not isinstance(value, torch.Tensor):
+            if node.target is operator.setitem:
+                return self._make(node, "setitem", MUTATION, node.args[:1])
+            return self._make(node, op_name(node), META)
+        target = node.target
+        if node.op == "call_function" and (target in HEAVY_FUNCTIONS or is_opaque(target)):
+            return self._make(node, op_name(node), HEAVY, _tensor_args(node))
+        if node.op == "call_function" and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return self._make(node, op_name(node), HEAVY, _tensor_args(node))
+        if node.op == "call_method" and target in HEAVY_METHODS:
+            return self._make(node, target, HEAVY, _tensor_args(node))
+        name = op_name(node)
+        if value.dtype not in _KERNEL_DTYPES and not (node.op == "call_function" and target is operator.getitem):
+            if name not in _VIEW_METHODS:
+                return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
+        if name.endswith("_") and not name.startswith("_") or node.kwargs.get("out") is not None:
+            return self._make(node, name, MUTATION, _tensor_args(node))
+        name = _ALIASES.get(name, name) or name
+        if node.op == "call_method" and name in _TRANSPARENT_METHODS or name in ("contiguous", "clone"):
+            return self._cast_or_copy(node)
+        if name in _VIEW_METHODS or target is operator.getitem or name in ("chunk", "split"):
+            return self._view(node)
+        if name in ELEMENTWISE or name in REDUCTIONS or name in ("softmax", "log_softmax"):
+            return self._compute(node, name)
+        return self._make(node, name, UNSUPPORTED, _tensor_args(node))
+
+    def _cast_or_copy(self, node):
+        src = node.args[0]
+        out, inp = self.value(node), self.value(src)
+        if isinstance(inp, torch.Tensor) and out.dtype == inp.dtype and out.device == inp.device:
+            if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape:
+                return self._make(node, "identity", COMPUTE, (src,))
+            return self._make(node, "copy", COMPUTE, (src,))
+        if isinstance(inp, torch.Tensor) and out.device != inp.device:
+            return self._make(node, "to_device", UNSUPPORTED, (src,))
+        return self._make(node, "cast", COMPUTE, (src,), {"dtype": out.dtype})
+
+    def _view(self, node):
+        src = node.args[0]
+        if (
+            node.target is operator.getitem
+            and isinstance(src, fx.Node)
+            and op_name(src) in ("chunk", "split", "unbind")
+            and isinstance(self.value(src.args[0]), torch.Tensor)
+        ):
+            return self._view_of(node, src.args[0], covers=(src,))  # x.chunk(2)[i] is a slice of x
+        if not isinstance(src, fx.Node) or not isinstance(self.value(src), torch.Tensor):
+            return self._make(node, op_name(node), META)
+        if node.target is operator.getitem and isinstance(self.value(src), torch.Tensor):
+            index = node.args[1]
+            index = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(i, fx.Node) or isinstance(i, torch.Tensor) for i in index):
+                return self._make(node, "index", UNSUPPORTED, (src,) + tuple(i for i in index if isinstance(i, fx.Node)))
+        return self._view_of(node, src)
+
+    def _view_of(self, node, src, covers=()):
+        out, inp = self.value(node), self.value(src)
+        if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
+            return self._make(node, "identity", COMPUTE, (src,))
+        shape = self.static_shape(node)
+        if [s for s in shape if s != 1] == [s for s in self.static_shape(src) if s != 1] and out.numel() == inp.numel():
+            return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
+        if op_name(node) in ("expand", "expand_as"):
+            return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
+        return self._make(
+            node, "view", VIEW, (src,),
+            {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
+            covers,
+        )  # fmt: skip
+
+    def _compute(self, node, name):
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        if name in BINARY:
+            a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other", node.kwargs.get("exponent"))
+            alpha = node.kwargs.get("alpha", 1)
+            if alpha != 1:
+                return self._make(node, name + "_alpha", UNSUPPORTED, tuple(tensors))
+            return self._make(node, name, COMPUTE, (a, b))
+        if name in UNARY:
+            return self._make(node, name, COMPUTE, (node.args[0],))
+        if name == "where":
+            return self._make(node, "where", COMPUTE, tuple(node.args[:3]))
+        params = dict(zip(_POSITIONAL.get(name, ()), node.args[1:]))
+        params.update({k: v for k, v in node.kwargs.items()})
+        rank = self.value(node.args[0]).dim()
+        if name == "clamp":
+            low = params.get("min")
+            high = params.get("max")
+            if op_name(node) == "clamp_max":
+                low, high = None, params.get("min", params.get("max"))
+            if isinstance(low, fx.Node) or isinstance(high, fx.Node):
+                return self._make(node, "clamp_tensor", UNSUPPORTED, tuple(tensors))
+            return self._make(node, "clamp", COMPUTE, (node.args[0],), {"min": low, "max": high})
+        if name == "softplus":
+            return self._make(
+                node, "softplus", COMPUTE, (node.args[0],),
+                {"beta": params.get("beta", 1.0), "threshold": params.get("threshold", 20.0)},
+            )  # fmt: skip
+        if params.get("dtype") is not None:
+            return self._make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
+        dims = _normalize_dims(params.get("dim"), rank)
+        attrs = {"dim": dims}
+        if name in REDUCTIONS:
+            attrs["keepdim"] = bool(params.get("keepdim", False))
+        elif len(dims) != 1:
+            return self._make(node, name, UNSUPPORTED, tuple(tensors))
+        return self._make(node, name, COMPUTE, (node.args[0],), attrs)
+
+    # --- rewrites of spelling variants -------------------------------------------------------
+    def _rewrite(self, cop: COp) -> COp:
+        if cop.kind != COMPUTE:
+            return cop
+        op, args, node = cop.op, cop.args, cop.node
+        if op == "mul" and len(args) == 2 and args[0] is args[1]:
+            return COp("square", COMPUTE, (args[0],), (), cop.covers)
+        if op == "mul" and len(args) == 2:
+            for x, s in (args, args[::-1]):
+                inner = self.cops.get(s) if isinstance(s, fx.Node) else None
+                if inner and inner.op == "sigmoid" and inner.args[0] is x and self._sole_user(s, node) and self._fp32(s):
+                    return COp("silu", COMPUTE, (x,), (), cop.covers + inner.covers)
+        if op == "pow" and not isinstance(args[1], fx.Node):
+            exponent = args[1]
+            unary = {2: "square", 0.5: "sqrt", -0.5: "rsqrt", -1: "reciprocal", 1: "identity"}.get(exponent)
+            if unary:
+                return self._rewrite(COp(unary, COMPUTE, (args[0],), (), cop.covers))
+        if op == "div" and not isinstance(args[0], fx.Node) and args[0] == 1:
+            return self._rewrite(COp("reciprocal", COMPUTE, (args[1],), (), cop.covers))
+        if op == "reciprocal" and isinstance(args[0], fx.Node):
+            inner = self.cops[args[0]]
+            if inner.op == "sqrt" and self._sole_user(args[0], node) and self._fp32(args[0]):
+                return COp("rsqrt", COMPUTE, inner.args, (), cop.covers + inner.covers)
+        if op in ("div", "mul") and isinstance(args[0], fx.Node) and not isinstance(args[1], fx.Node):
+            inner = self.cops[args[0]]
+            if inner.op == "sum" and self._sole_user(args[0], node) and self._fp32(args[0]):
+                n = math.prod(self.value(inner.args[0]).shape[d] for d in inner.attr("dim"))
+                factor = args[1] if op == "div" else (1 / args[1] if args[1] else 0)
+                if n and abs(factor - n) <= 1e-9 * n and not set(inner.attr("dim")) & set(self.batch_dims(inner.args[0])):
+                    return COp("mean", COMPUTE, inner.args, inner.attrs, cop.covers + inner.covers)
+        return cop
+
+
+def _tensor_args(node: fx.Node) -> tuple:
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return tuple(found)
+
+
+def _normalize_dims(dim: Any, rank: int) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(rank))
+    if isinstance(dim, int):
+        dim = (dim,)
+    return tuple(sorted(d % rank if rank else 0 for d in dim))
+
+
+def canonicalize(traced: Traced) -> dict[fx.Node, COp]:
+    return Canonicalizer(traced).cops
+
+
+def is_glue(cop: COp) -> bool:
+    return cop.kind in GLUE_KINDS and cop.op != "identity"
+
+
+def eager_launches(cop: COp) -> int:
+    """Kernel launches this node costs when run eagerly (views and no-ops cost none)."""
+    if cop.kind in (COMPUTE, MUTATION, UNSUPPORTED) and cop.op != "identity":
+        return 1
+    return 0
+
+
+_ = builtins  # getattr nodes reach here as META through op_name

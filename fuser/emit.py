@@ -1,0 +1,168 @@
+"""emit: render a fused Triton kernel from a Jinja template, write it to ``kernels/``, import it.
+
+Kernel files are content-addressed (the name carries a hash of the template and everything
+rendered into it), written atomically, and start with a header naming the template, the
+pattern and its parameters, so ``kernels/`` reads and diffs like source. The same chain with
+the same parameters always renders the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import jinja2
+
+from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2
+from fuser.pattern import PACKAGE_DIR, templates_dir
+
+
+class TemplateError(Exception):
+    """A template that does not load or render; the message starts with ``file:line:``."""
+
+
+@dataclass
+class KernelSpec:
+    template: str
+    pattern: str  # the pattern's name, or "generic"
+    inputs: list[Operand]
+    outputs: list[Operand]
+    params: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    program: RowProgram | None = None
+
+    @property
+    def num_warps(self) -> int:
+        return self.program.num_warps if self.program else 1
+
+
+_ENV_LOCK = threading.Lock()
+_ENV: jinja2.Environment | None = None
+
+
+def environment() -> jinja2.Environment:
+    global _ENV
+    with _ENV_LOCK:
+        if _ENV is None:
+            _ENV = jinja2.Environment(
+                loader=jinja2.FileSystemLoader(str(templates_dir())),
+                undefined=jinja2.StrictUndefined,
+                keep_trailing_newline=True,
+            )
+            _ENV.globals["pow2"] = pow2
+        return _ENV
+
+
+def template_names() -> set[str]:
+    return {p.name[: -len(".py.jinja")] for p in templates_dir().glob("*.py.jinja") if not p.name.startswith("_")}
+
+
+def load_template(name: str) -> jinja2.Template:
+    try:
+        return environment().get_template(f"{name}.py.jinja")
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"{e.filename}:{e.lineno}: {e.message}") from None
+    except jinja2.TemplateNotFound:
+        raise TemplateError(f"{templates_dir()}/{name}.py.jinja: no such template") from None
+
+
+def render(spec: KernelSpec, kernel_name: str) -> str:
+    template = load_template(spec.template)
+    context = dict(
+        template=spec.template,
+        pattern=spec.pattern,
+        params=_format_params(spec.params),
+        sizes=spec.sizes,
+        inputs=spec.inputs,
+        outputs=spec.outputs,
+        program=spec.program,
+        kernel_name=kernel_name,
+        num_warps=spec.num_warps,
+        row_source=next(op.name for op in spec.inputs if op.has_rows),
+        tl_dtype=TL_DTYPES,
+    )
+    try:
+        source = template.render(**context)
+    except jinja2.TemplateError as e:
+        line = _template_line(e, template)
+        raise TemplateError(f"{template.filename}:{line}: {type(e).__name__}: {e}") from None
+    context["params"] = spec.params
+    return source
+
+
+class _Params(dict):
+    """Params that render as their repr (floats keep full precision) and print sorted."""
+
+    def __str__(self):
+        return ", ".join(f"{k}={v!r}" for k, v in sorted(self.items())) or "-"
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _format_params(params: dict) -> _Params:
+    return _Params({k: (repr(v) if isinstance(v, float) else v) for k, v in params.items()})
+
+
+def _template_line(error: Exception, template) -> int:
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.endswith(".jinja"):
+            return frame.lineno
+    return 1
+
+
+def kernel_dir() -> Path:
+    """Where rendered kernels go: $FUSER_KERNEL_DIR, the checkout's kernels/, or ~/.cache."""
+    env = os.environ.get("FUSER_KERNEL_DIR")
+    if env:
+        path = Path(env)
+    elif (PACKAGE_DIR.parent / "kernels").is_dir() and (PACKAGE_DIR.parent / "pyproject.toml").exists():
+        path = PACKAGE_DIR.parent / "kernels"
+    else:
+        path = Path.home() / ".cache" / "fuser" / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def kernel_source(spec: KernelSpec) -> tuple[str, str]:
+    """(file stem, source): the stem is the pattern name plus a hash of the rendered source."""
+    provisional = render(spec, "KERNEL")
+    digest = hashlib.sha256(provisional.encode()).hexdigest()[:12]
+    stem = f"{re.sub(r'[^0-9a-zA-Z_]', '_', spec.pattern)}_{digest}"
+    return stem, render(spec, f"{stem}_kernel")
+
+
+_LOADED: dict[str, Callable] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def emit(spec: KernelSpec) -> tuple[Path, Callable]:
+    """Render, write (once) and import the kernel; returns its file and its ``launch``."""
+    stem, source = kernel_source(spec)
+    path = kernel_dir() / f"{stem}.py"
+    with _LOAD_LOCK:
+        if stem in _LOADED:
+            return path, _LOADED[stem]
+        if not path.exists() or path.read_text() != source:
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+                f.write(source)
+            os.replace(f.name, path)
+        module_spec = importlib.util.spec_from_file_location(f"fuser_kernels.{stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        launch = module.launch
+        launch.__qualname__ = launch.__name__ = f"{stem}"
+        _LOADED[stem] = launch
+        return path, launch

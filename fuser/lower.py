@@ -1,0 +1,350 @@
+"""lower: turn a region of canonical ops into the body of a Triton *row program*.
+
+A row program runs one program per token row (and, when no op reduces along the last axis,
+per tile of the last axis). Each value lives in registers as a block: its shape without the
+token dim, each dim padded to a power of two. Inputs are loaded through their runtime strides
+(so views, slices and non-contiguous tensors need no copy); values without a token dim
+(weights) are loaded whole and broadcast. Every op computes in fp32 and rounds to the dtype
+the eager op returns, so bf16 rounding happens exactly where PyTorch rounds.
+
+The result is plain data (:class:`RowProgram`) that the Jinja templates render.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fuser.canon import COMPUTE, REDUCTIONS, UNIT_VIEW, COp
+from fuser.trace import Traced
+
+
+class LoweringError(Exception):
+    """The region cannot be written as one row program; the message says which node and why."""
+
+
+TL_DTYPES = {
+    torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
+    torch.bool: "tl.int1",
+}  # fmt: skip
+
+_UNARY = {
+    "neg": "-{a}", "abs": "tl.abs({a})", "exp": "tl.exp({a})", "exp2": "tl.exp2({a})",
+    "log": "tl.log({a})", "log2": "tl.log2({a})", "sqrt": "tl.sqrt_rn({a})",
+    "rsqrt": "tl.rsqrt({a})", "reciprocal": "1.0 / {a}", "sigmoid": "tl.sigmoid({a})",
+    "silu": "{a} * tl.sigmoid({a})", "relu": "tl.maximum({a}, 0.0)", "sin": "tl.sin({a})",
+    "cos": "tl.cos({a})", "square": "{a} * {a}", "erf": "tl.erf({a})", "floor": "tl.floor({a})",
+    "ceil": "tl.ceil({a})", "copy": "{a}",
+}  # fmt: skip
+_BINARY = {
+    "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}",
+    "maximum": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+    "eq": "{a} == {b}", "ne": "{a} != {b}", "lt": "{a} < {b}", "le": "{a} <= {b}",
+    "gt": "{a} > {b}", "ge": "{a} >= {b}",
+}  # fmt: skip
+
+SUPPORTED_OPS = set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
+
+
+def pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class Operand:
+    """A tensor the kernel reads or writes: its pointer and the strides of its block dims."""
+
+    name: str
+    node: str
+    shape: tuple[int, ...]  # block shape (no token dim)
+    dtype: torch.dtype
+    has_rows: bool
+
+    @property
+    def stride_args(self) -> list[str]:
+        return ([f"{self.name}_stride_row"] if self.has_rows else []) + [
+            f"{self.name}_stride_{i}" for i in range(len(self.shape))
+        ]
+
+
+@dataclass
+class RowProgram:
+    inputs: list[Operand]
+    outputs: list[Operand]
+    body: list[str] = field(default_factory=list)
+    tiled: bool = False  # the last axis is split across programs
+    last: int = 1  # size of the last axis when tiled
+    block_last: int = 1
+    num_warps: int = 4
+    numel: int = 1  # padded elements of the largest block
+
+    @property
+    def row_source(self) -> str:
+        return next(op.name for op in self.inputs if op.has_rows)
+
+
+class _Lowerer:
+    def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs):
+        self.traced, self.cops = traced, cops
+        self.nodes, self.inputs, self.outputs = list(nodes), list(inputs), list(outputs)
+        self.names: dict[fx.Node, str] = {}
+        self.shapes: dict[fx.Node, tuple[int, ...]] = {}
+        self.dtypes: dict[fx.Node, torch.dtype] = {}
+        self.lines: list[str] = []
+        self._check_rows()
+        self.tiled, self.last = self._tiling()
+        self.block_last = 1
+
+    # --- structure ---------------------------------------------------------------------------
+    def _check_rows(self):
+        rows = set()
+        for node in self.inputs + self.nodes:
+            value = self.traced.value(node)
+            if not isinstance(value, torch.Tensor):
+                raise LoweringError(f"`{node.name}` is not a tensor")
+            batch = self.traced.batch_dims(node)
+            if batch and batch != (0,):
+                raise LoweringError(f"`{node.name}` has its token dim at {batch}, not first")
+            if batch:
+                rows.add((value.shape[0], self.traced.shadows[node.name][1].shape[0]))
+            if value.dtype not in TL_DTYPES:
+                raise LoweringError(f"`{node.name}` is {value.dtype}; row programs take {list(TL_DTYPES)}")
+        if len(rows) > 1:
+            raise LoweringError(f"values with different token counts {sorted(rows)} in one chain")
+        if not rows:
+            raise LoweringError("no value in the chain follows the tokens (parameters only)")
+        for node in self.outputs:
+            if not self.traced.batch_dims(node):
+                raise LoweringError(f"output `{node.name}` does not follow the tokens")
+
+    def block_shape(self, node: fx.Node) -> tuple[int, ...]:
+        value = self.traced.value(node)
+        if self.traced.batch_dims(node):
+            return tuple(value.shape[1:])
+        return tuple(value.shape)
+
+    def _tiling(self) -> tuple[bool, int]:
+        """Tile the last axis when no op mixes values along it (and it is wide enough to matter)."""
+        outs = [self.block_shape(n) for n in self.outputs]
+        if not all(outs) or len({s[-1] for s in outs}) != 1:
+            return False, 1
+        last = outs[0][-1]
+        for node in self.nodes:
+            cop = self.cops[node]
+            rank = len(self.block_shape(node))
+            if cop.op in REDUCTIONS or cop.op == "softmax":
+                src = cop.args[0]
+                src_rank = self.traced.value(src).dim()
+                if (src_rank - 1) in cop.attr("dim"):
+                    return False, 1
+            if cop.kind == UNIT_VIEW and rank and self.block_shape(cop.args[0])[-1:] != (last,):
+                return False, 1
+            shape = self.block_shape(node)
+            if shape and shape[-1] not in (1, last):
+                return False, 1
+        for node in self.inputs:
+            shape = self.block_shape(node)
+            if shape and shape[-1] not in (1, last):
+                return False, 1
+        return last > 1, last
+
+    # --- index and mask expressions ----------------------------------------------------------
+    def axis_index(self, axis: int, rank: int, size: int) -> str:
+        """Index along ``axis`` of a rank-``rank`` block, broadcastable against the others."""
+        if self.tiled and axis == rank - 1 and size == self.last and size > 1:
+            base = "cols"
+        else:
+            base = f"tl.arange(0, {pow2(size)})"
+        if rank == 1:
+            return base
+        expand = ", ".join(":" if i == axis else "None" for i in range(rank))
+        return f"{base}[{expand}]"
+
+    def padded(self, shape) -> tuple[int, ...]:
+        return tuple(
+            self.block_last if self.tiled and i == len(shape) - 1 and s == self.last and s > 1 else pow2(s)
+            for i, s in enumerate(shape)
+        )
+
+    def mask(self, shape) -> str | None:
+        terms = []
+        for axis, size in enumerate(shape):
+            if self.tiled and axis == len(shape) - 1 and size == self.last and size > 1:
+                terms.append(f"({self.axis_index(axis, len(shape), size)} < {size})")
+            elif pow2(size) != size:
+                terms.append(f"({self.axis_index(axis, len(shape), size)} < {size})")
+        return " & ".join(terms) if terms else None
+
+    # --- code --------------------------------------------------------------------------------
+    def fresh(self, node: fx.Node, prefix: str = "v") -> str:
+        name = f"{prefix}{len(self.names)}"
+        self.names[node] = name
+        return name
+
+    def f32(self, arg) -> str:
+        """An operand as fp32 (or a literal)."""
+        if not isinstance(arg, fx.Node):
+            if isinstance(arg, bool):
+                return "1" if arg else "0"
+            if isinstance(arg, float) and not math.isfinite(arg):
+                return {True: "float('inf')", False: "float('-inf')"}[arg > 0] if not math.isnan(arg) else "float('nan')"
+            return repr(float(arg)) if isinstance(arg, float) else repr(arg)
+        name = self.names[arg]
+        dtype = self.dtypes[arg]
+        if dtype in (torch.float32, torch.bool):
+            return name
+        return f"{name}.to(tl.float32)"
+
+    def emit(self, node: fx.Node, expr: str):
+        dtype = self.traced.value(node).dtype
+        name = self.fresh(node)
+        if dtype not in (torch.float32, torch.bool):
+            expr = f"({expr}).to({TL_DTYPES[dtype]})"
+        self.lines.append(f"{name} = {expr}  # {node.name}")
+        self.shapes[node] = self.block_shape(node)
+        self.dtypes[node] = dtype
+
+    def load(self, operand: Operand, node: fx.Node):
+        shape = operand.shape
+        rank = len(shape)
+        terms = [f"{operand.name}_ptr"]
+        if operand.has_rows:
+            terms.append(f"row * {operand.name}_stride_row")
+        for axis, size in enumerate(shape):
+            terms.append(f"{self.axis_index(axis, rank, size)} * {operand.name}_stride_{axis}")
+        mask = self.mask(shape)
+        extra = f", mask={mask}, other=0.0" if mask else ""
+        name = self.fresh(node, "in")
+        self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
+        self.shapes[node] = shape
+        self.dtypes[node] = operand.dtype
+
+    def store(self, operand: Operand, node: fx.Node):
+        shape = operand.shape
+        rank = len(shape)
+        terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
+        for axis, size in enumerate(shape):
+            terms.append(f"{self.axis_index(axis, rank, size)} * {operand.name}_stride_{axis}")
+        value = self.names[node]
+        if self.shapes[node] != shape:
+            value = f"tl.broadcast_to({value}, {self.padded(shape)})"
+        mask = self.mask(shape)
+        extra = f", mask={mask}" if mask else ""
+        self.lines.append(f"tl.store({' + '.join(terms)}, ({value}).to({TL_DTYPES[operand.dtype]}){extra})")
+
+    def masked(self, node: fx.Node, fill: str) -> str:
+        mask = self.mask(self.shapes[node])
+        value = self.f32(node)
+        return f"tl.where({mask}, {value}, {fill})" if mask else value
+
+    def lower_node(self, node: fx.Node):
+        cop = self.cops[node]
+        op, args = cop.op, cop.args
+        if op not in SUPPORTED_OPS:
+            raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
+        a = self.f32(args[0]) if args else None
+        if op in _UNARY:
+            return self.emit(node, _UNARY[op].format(a=a))
+        if op in _BINARY:
+            return self.emit(node, _BINARY[op].format(a=a, b=self.f32(args[1])))
+        if op == "where":
+            return self.emit(node, f"tl.where({self.f32(args[0])}, {self.f32(args[1])}, {self.f32(args[2])})")
+        if op == "cast":
+            return self.emit(node, a)
+        if op == "clamp":
+            expr = a
+            if cop.attr("min") is not None:
+                expr = f"tl.maximum({expr}, {self.f32(cop.attr('min'))}, propagate_nan=tl.PropagateNan.ALL)"
+            if cop.attr("max") is not None:
+                expr = f"tl.minimum({expr}, {self.f32(cop.attr('max'))}, propagate_nan=tl.PropagateNan.ALL)"
+            return self.emit(node, expr)
+        if op == "softplus":
+            beta, threshold = float(cop.attr("beta")), float(cop.attr("threshold"))
+            scaled = f"({a} * {beta!r})"
+            soft = f"tl.log(1.0 + tl.exp({scaled})) / {beta!r}"
+            return self.emit(node, f"tl.where({scaled} > {threshold!r}, {a}, {soft})")
+        if op in ("reshape", "expand"):
+            src_shape = self.shapes[args[0]]
+            shape = self.block_shape(node)
+            if op == "expand":
+                return self.emit(node, f"tl.broadcast_to({a}, {self.padded(shape)})")
+            if self.padded(shape) == self.padded(src_shape):
+                return self.emit(node, a)
+            return self.emit(node, f"tl.reshape({a}, {self.padded(shape) or (1,)})")
+        if op in REDUCTIONS or op == "softmax":
+            return self.reduce(node, cop)
+        raise LoweringError(f"`{node.name}`: no lowering for {op}")
+
+    def reduce(self, node: fx.Node, cop: COp):
+        src = cop.args[0]
+        src_rank = self.traced.value(src).dim()
+        batch = self.traced.batch_dims(src)
+        dims = cop.attr("dim")
+        if set(dims) & set(batch):
+            raise LoweringError(f"`{node.name}` reduces across tokens (dims {dims})")
+        axes = [d - (1 if batch else 0) for d in dims]
+        shape = self.shapes[src]
+        if cop.op == "softmax":
+            axis = axes[0]
+            m = self.masked(src, "float('-inf')")
+            self.lines.append(f"_max = tl.expand_dims(tl.max({m}, axis={axis}), {axis})")
+            self.lines.append(f"_exp = tl.exp({self.f32(src)} - _max)")
+            mask = self.mask(shape)
+            if mask:
+                self.lines.append(f"_exp = tl.where({mask}, _exp, 0.0)")
+            return self.emit(node, f"_exp / tl.expand_dims(tl.sum(_exp, axis={axis}), {axis})")
+        fill = {"sum": "0.0", "mean": "0.0", "amax": "float('-inf')", "amin": "float('inf')"}[cop.op]
+        fn = {"sum": "tl.sum", "mean": "tl.sum", "amax": "tl.max", "amin": "tl.min"}[cop.op]
+        expr = self.masked(src, fill)
+        for axis in sorted(axes, reverse=True):
+            expr = f"{fn}({expr}, axis={axis})"
+            if cop.attr("keepdim"):
+                expr = f"tl.expand_dims({expr}, {axis})"
+        if cop.op == "mean":
+            count = math.prod(shape[a] for a in axes)
+            expr = f"{expr} / {float(count)!r}"
+        return self.emit(node, expr)
+
+    # --- entry point -------------------------------------------------------------------------
+    def lower(self) -> RowProgram:
+        ins = [self._operand(n, f"in{i}") for i, n in enumerate(self.inputs)]
+        outs = [self._operand(n, f"out{i}") for i, n in enumerate(self.outputs)]
+        numel = max(math.prod(self.padded(self.block_shape(n)) or (1,)) for n in self.nodes + self.inputs)
+        if self.tiled:
+            others = max(
+                math.prod(pow2(s) for s in self.block_shape(n)[:-1]) if self.block_shape(n) else 1
+                for n in self.nodes + self.inputs
+            )
+            self.block_last = min(pow2(self.last), max(16, pow2(max(1, 2048 // others))))
+            numel = others * self.block_last
+        for operand, node in zip(ins, self.inputs):
+            self.load(operand, node)
+        for node in self.nodes:
+            self.lower_node(node)
+        for operand, node in zip(outs, self.outputs):
+            self.store(operand, node)
+        warps = min(16, max(1, pow2(numel // 512)))
+        return RowProgram(ins, outs, self.lines, self.tiled, self.last, self.block_last, warps, numel)
+
+    def _operand(self, node: fx.Node, name: str) -> Operand:
+        return operand(self.traced, node, name)
+
+
+def operand(traced: Traced, node: fx.Node, name: str) -> Operand:
+    """The kernel argument for ``node``'s value: block shape without the token dim, dtype."""
+    value = traced.value(node)
+    has_rows = bool(traced.batch_dims(node))
+    shape = tuple(value.shape[1:]) if has_rows else tuple(value.shape)
+    return Operand(name, node.name, shape, value.dtype, has_rows)
+
+
+def lower_region(traced: Traced, cops, nodes, inputs, outputs) -> RowProgram:
+    """Lower the region's nodes (in graph order) reading ``inputs`` and writing ``outputs``."""
+    for node in nodes:
+        if cops[node].kind not in (COMPUTE, UNIT_VIEW):
+            raise LoweringError(f"`{node.name}` ({cops[node].op}) is not an elementwise or reduction op")
+    return _Lowerer(traced, cops, nodes, inputs, outputs).lower()

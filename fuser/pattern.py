@@ -1,0 +1,230 @@
+"""pattern: the declarative pattern format, and loading pattern files with located errors.
+
+A pattern file (one chain per file, in ``patterns/``) holds exactly three things::
+
+    '''Weighted RMSNorm in fp32, cast back (sglang RMSNorm.forward_native).'''
+    import torch
+    from fuser.pattern import Param, tensor
+
+    def reference(x, weight, eps=Param(1e-6)):          # the chain, in plain PyTorch;
+        xf = x.float()                                   # also its golden reference
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * weight).to(x.dtype)
+
+    PATTERN = dict(
+        template="row_reduce",                           # templates/row_reduce.py.jinja
+        inputs=dict(                                     # shapes (T = tokens) and dtypes
+            x=tensor("T, N", "bfloat16 float16 float32"),
+            weight=tensor("N", "bfloat16 float32"),
+        ),
+        example=dict(N=64),                              # sizes to trace the reference at
+    )
+
+``Param(value)`` arguments are literals the matcher captures from the model instead of
+requiring them equal (eps, a clamp limit); ``Param(20, search=range(1, 65))`` is a structural
+integer (a loop count) that the matcher searches for. Everything else in the reference must
+appear in the model as written, up to the spellings ``fuser.canon`` folds together.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _data_dir(name: str) -> Path:
+    """``patterns/`` or ``templates/``: beside the package in a checkout, inside it when installed."""
+    for candidate in (PACKAGE_DIR / name, PACKAGE_DIR.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"fuser cannot find its {name}/ directory next to {PACKAGE_DIR}")
+
+
+def patterns_dir() -> Path:
+    return _data_dir("patterns")
+
+
+def templates_dir() -> Path:
+    return _data_dir("templates")
+
+
+class PatternError(Exception):
+    """A malformed pattern file. The message starts with ``file:line:``."""
+
+
+class FloatParam(float):
+    search = None
+
+
+class IntParam(int):
+    search = None
+
+
+def Param(default: float | int, search=None):
+    """A literal of the reference the matcher captures from the model (or searches for)."""
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        raise TypeError(f"Param takes an int or a float, not {default!r}")
+    p = IntParam(default) if isinstance(default, int) else FloatParam(default)
+    p.search = tuple(search) if search is not None else None
+    return p
+
+
+def is_param(value) -> bool:
+    return isinstance(value, (FloatParam, IntParam))
+
+
+DTYPES = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "int32": torch.int32, "int64": torch.int64,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dims: tuple[str, ...]  # symbols, integers as strings, "..." (any static dims); "T" = tokens
+    dtypes: tuple[torch.dtype, ...]
+
+
+def tensor(dims: str, dtypes: str) -> TensorSpec:
+    """``tensor("T, N", "bfloat16 float32")``: a tensor input's shape symbols and dtypes."""
+    names = tuple(d.strip() for d in dims.split(",") if d.strip())
+    for d in names:
+        if not re.fullmatch(r"[A-Za-z_]\w*|\d+|\.\.\.", d):
+            raise ValueError(f"dimension {d!r} in {dims!r} is neither a symbol nor an integer")
+    unknown = [d for d in dtypes.split() if d not in DTYPES]
+    if unknown or not dtypes.split():
+        raise ValueError(f"unknown dtype(s) {unknown} in {dtypes!r}; known: {' '.join(DTYPES)}")
+    return TensorSpec(names, tuple(DTYPES[d] for d in dtypes.split()))
+
+
+ALLOWED_KEYS = {"template", "inputs", "example", "description", "priority"}
+
+
+@dataclass(eq=False)
+class Pattern:
+    name: str
+    path: Path
+    reference: Callable
+    template: str
+    inputs: dict[str, TensorSpec]
+    params: dict[str, Any]  # name -> Param default
+    example: dict[str, int] = field(default_factory=dict)
+    description: str = ""
+    priority: int = 0
+
+    @property
+    def structural(self) -> dict[str, IntParam]:
+        return {k: v for k, v in self.params.items() if isinstance(v, IntParam) and v.search}
+
+    def where(self) -> str:
+        line = inspect.getsourcelines(self.reference)[1]
+        return f"{self.path}:{line}"
+
+
+def _key_lines(path: Path, source: str) -> tuple[int, dict[str, int]]:
+    """Line of the PATTERN assignment, and of each of its keys."""
+    tree = ast.parse(source, filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PATTERN" for t in node.targets):
+            lines = {}
+            value = node.value
+            if isinstance(value, ast.Call):
+                lines = {kw.arg: kw.value.lineno for kw in value.keywords if kw.arg}
+            elif isinstance(value, ast.Dict):
+                lines = {k.value: k.lineno for k in value.keys if isinstance(k, ast.Constant)}
+            return node.lineno, lines
+    return 1, {}
+
+
+def load_pattern(path: str | os.PathLike, templates: set[str] | None = None) -> Pattern:
+    """Load one pattern file; a mistake raises :class:`PatternError` naming file and line."""
+    path = Path(path).resolve()
+    source = path.read_text()
+    try:
+        pattern_line, key_lines = _key_lines(path, source)
+    except SyntaxError as e:
+        raise PatternError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+
+    def fail(line: int, message: str) -> PatternError:
+        return PatternError(f"{path}:{line}: {message}")
+
+    spec = importlib.util.spec_from_file_location(f"fuser_patterns.{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - report any import-time failure with its line
+        line = next((f.lineno for f in reversed(_tb_frames(e)) if Path(f.filename).resolve() == path), 1)
+        raise fail(line, f"{type(e).__name__}: {e}") from e
+    reference = getattr(module, "reference", None)
+    if not callable(reference):
+        raise fail(1, "a pattern file must define a function `reference(...)` (the chain in plain PyTorch)")
+    decl = getattr(module, "PATTERN", None)
+    if not isinstance(decl, dict):
+        raise fail(pattern_line, "a pattern file must define `PATTERN = dict(template=..., inputs=...)`")
+    for key in decl:
+        if key not in ALLOWED_KEYS:
+            raise fail(key_lines.get(key, pattern_line), f"unknown PATTERN key {key!r}; allowed: {sorted(ALLOWED_KEYS)}")
+    for key in ("template", "inputs"):
+        if key not in decl:
+            raise fail(pattern_line, f"PATTERN lacks {key!r}")
+    template = decl["template"]
+    if templates is not None and template not in templates:
+        raise fail(key_lines.get("template", pattern_line), f"no template {template!r}; known: {sorted(templates)}")
+    signature = inspect.signature(reference)
+    params = {n: p.default for n, p in signature.parameters.items() if is_param(p.default)}
+    tensor_args = [n for n, p in signature.parameters.items() if not is_param(p.default)]
+    inputs = decl["inputs"]
+    if not isinstance(inputs, dict) or not all(isinstance(v, TensorSpec) for v in inputs.values()):
+        raise fail(key_lines.get("inputs", pattern_line), "inputs must map argument names to tensor('dims', 'dtypes')")
+    if list(inputs) != tensor_args:
+        raise fail(
+            key_lines.get("inputs", pattern_line),
+            f"inputs {list(inputs)} must name reference's tensor arguments {tensor_args}, in order",
+        )
+    example = dict(decl.get("example", {}))
+    symbols = {d for s in inputs.values() for d in s.dims if not d.isdigit()} - {"T", "..."}
+    missing = sorted(s for s in symbols if s not in example)
+    if missing:
+        # A reasonable size for symbols without an example: small, not a power of two.
+        example.update({s: 24 for s in missing})
+    doc = (module.__doc__ or "").strip().splitlines()
+    return Pattern(
+        name=path.stem,
+        path=path,
+        reference=reference,
+        template=template,
+        inputs=dict(inputs),
+        params=params,
+        example=example,
+        description=decl.get("description", doc[0] if doc else ""),
+        priority=int(decl.get("priority", 0)),
+    )
+
+
+def _tb_frames(error: BaseException):
+    import traceback
+
+    return traceback.extract_tb(error.__traceback__)
+
+
+def load_patterns(paths=None, templates: set[str] | None = None) -> list[Pattern]:
+    """Load the built-in patterns plus any extra files or directories given."""
+    files: list[Path] = []
+    for entry in [patterns_dir()] + [Path(p) for p in (paths or [])]:
+        if entry.is_dir():
+            files += sorted(p for p in entry.glob("*.py") if not p.name.startswith("_"))
+        elif entry.exists():
+            files.append(entry)
+        else:
+            raise PatternError(f"{entry}: no such pattern file or directory")
+    return [load_pattern(f, templates) for f in files]

@@ -1,0 +1,215 @@
+"""regions: decide which nodes become one fused kernel each.
+
+Pattern matches come first. The glue no pattern claims is grouped by the generic fallback:
+connected elementwise/reduction nodes at the same *depth*, where a node's depth counts how
+often its longest path from the inputs leaves the fusible glue through a barrier (GEMMs,
+leaves, in-place writes, unsupported ops, views of computed values, pattern regions). Nodes separated by a barrier never share a
+kernel, which keeps every region free of cycles through the rest of the graph.
+
+Every region must also be safe to run at one point of the program, the place of its last
+node: all values it produces are used after that point, and nothing between its first read
+of an input and that point writes to the input (or to any view of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from fuser.canon import COMPUTE, HEAVY, INPUT, MUTATION, UNIT_VIEW, VIEW, COp
+from fuser.lower import SUPPORTED_OPS
+from fuser.match import Match, Rejection
+
+#: Templates whose kernel body is written by hand from the pattern's parameters.
+PARAM_TEMPLATES = {"sinkhorn"}
+
+
+@dataclass
+class Region:
+    nodes: list[fx.Node]  # in graph order
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    template: str
+    match: Match | None = None  # None: the generic fallback
+    covered: set = field(default_factory=set)  # every node the kernel replaces
+
+    @property
+    def pattern(self) -> str:
+        return self.match.pattern.name if self.match else "generic"
+
+    @property
+    def params(self) -> dict:
+        return dict(self.match.params) if self.match else {}
+
+
+def fusible(cop: COp) -> bool:
+    return cop.kind in (COMPUTE, UNIT_VIEW) and cop.op != "identity" and cop.op in SUPPORTED_OPS
+
+
+class RegionBuilder:
+    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp]):
+        self.graph, self.cops = graph, cops
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.alias = _alias_classes(graph, cops)
+        self.writers = [n for n in graph.nodes if n in cops and cops[n].kind in (MUTATION, HEAVY)]
+
+    # --- shared structure --------------------------------------------------------------------
+    def boundary(self, nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+        """Inputs (values read from outside) and outputs (values used outside), in graph order."""
+        inside = set(nodes)
+        inputs, outputs = [], []
+        for node in nodes:
+            for arg in self.cops[node].args:
+                if isinstance(arg, fx.Node) and arg not in inside and arg not in inputs:
+                    inputs.append(arg)
+        for node in nodes:
+            if any(u not in inside for u in node.users):
+                outputs.append(node)
+        return inputs, outputs
+
+    def placement_problem(self, covered: set, inputs: list, outputs: list) -> tuple[str, int] | None:
+        """Why the region cannot run at its last node, and the position to cut it at."""
+        last = max(self.order[n] for n in covered)
+        for out in outputs:
+            for user in out.users:
+                if user not in covered and self.order[user] < last:
+                    return f"`{out.name}` is used by `{user.name}` before the chain ends", self.order[user]
+        for inp in inputs:
+            readers = [self.order[n] for n in covered if _reads(self.cops[n], inp) or inp in n.all_input_nodes]
+            first = min(readers) if readers else last
+            for writer in self.writers:
+                pos = self.order[writer]
+                if first < pos < last and self._writes(writer, inp):
+                    return f"`{writer.name}` writes `{inp.name}` while the chain reads it", pos
+        return None
+
+    def _writes(self, writer: fx.Node, value: fx.Node) -> bool:
+        cls = self.alias.get(value)
+        targets = [self.cops[writer].args[0]] if self.cops[writer].kind == MUTATION else writer.all_input_nodes
+        if writer.op == "call_module" and self.cops.get(value) and self.cops[value].kind == INPUT:
+            return value.op == "get_attr"  # a leaf may write the module's buffers
+        return any(self.alias.get(t) == cls for t in targets if isinstance(t, fx.Node))
+
+    # --- pattern regions ---------------------------------------------------------------------
+    def from_match(self, match: Match) -> Region | Rejection:
+        pattern = match.pattern
+        if pattern.template in PARAM_TEMPLATES:
+            # The kernel reads the pattern's inputs itself: it replaces every matched node.
+            covered = set(match.nodes)
+            nodes = sorted(covered, key=self.order.get)
+            inputs, outputs = list(match.inputs), list(match.outputs)
+        else:
+            # Lowered from the graph: views of the inputs stay (free) and become its inputs.
+            nodes = sorted((n for n in match.primary if fusible(self.cops[n])), key=self.order.get)
+            covered = {c for n in nodes for c in self.cops[n].covers}
+            inputs, _ = self.boundary(nodes)
+            outputs = list(match.outputs)
+        problem = self.placement_problem(covered, inputs, outputs)
+        if problem:
+            return Rejection(pattern.name, match.outputs[0].name, problem[0], "order")
+        return Region(nodes, inputs, outputs, pattern.template, match, covered)
+
+    # --- generic fallback --------------------------------------------------------------------
+    def generic(self, taken: set) -> list[Region]:
+        candidates = [n for n in self.graph.nodes if n in self.cops and n not in taken and fusible(self.cops[n])]
+        pool = set(candidates)
+        depth: dict[fx.Node, int] = {}
+        for node in self.graph.nodes:
+            # Leaving the pool costs a level; a path back into it arrives one level deeper.
+            depth[node] = max(
+                (depth[a] + (1 if a in pool and node not in pool else 0) for a in node.all_input_nodes),
+                default=0,
+            )
+        regions = []
+        for component in _components(candidates, pool, depth):
+            regions += self._place(component)
+        return [r for r in regions if sum(1 for n in r.nodes if self.cops[n].kind == COMPUTE) >= 2]
+
+    def _place(self, nodes: list[fx.Node]) -> list[Region]:
+        """Split a component until every part can run at its last node."""
+        nodes = sorted(nodes, key=self.order.get)
+        inputs, outputs = self.boundary(nodes)
+        problem = self.placement_problem(set(nodes), inputs, outputs)
+        if problem is None:
+            template = "row_reduce" if any(self.cops[n].op in _REDUCING for n in nodes) else "pointwise"
+            # A node folded into another (sum into mean) is computed by that one.
+            absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
+            lowered = [n for n in nodes if n not in absorbed]
+            return [Region(lowered, inputs, outputs, template, None, set(nodes))]
+        cut = problem[1]
+        before = [n for n in nodes if self.order[n] < cut]
+        after = [n for n in nodes if self.order[n] >= cut]
+        if not before or not after:
+            return []
+        parts = []
+        for half in (before, after):
+            pool = set(half)
+            for component in _components(half, pool, {n: 0 for n in half}):
+                parts += self._place(component)
+        return parts
+
+
+_REDUCING = {"sum", "mean", "amax", "amin", "softmax"}
+
+
+def _reads(cop: COp, value: fx.Node) -> bool:
+    return any(a is value for a in cop.args)
+
+
+def _components(nodes, pool: set, depth: dict) -> list[list[fx.Node]]:
+    """Connected components of ``nodes`` over edges between pool members of equal depth."""
+    parent = {n: n for n in nodes}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in pool and depth.get(arg) == depth.get(node):
+                parent[find(arg)] = find(node)
+    groups: dict[fx.Node, list] = {}
+    for node in nodes:
+        groups.setdefault(find(node), []).append(node)
+    return list(groups.values())
+
+
+def _alias_classes(graph: fx.Graph, cops: dict[fx.Node, COp]) -> dict[fx.Node, fx.Node]:
+    """Union of values that may share storage: a view and its base, an identity and its source."""
+    parent = {n: n for n in graph.nodes}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        cop = cops.get(node)
+        if cop and (cop.kind in (VIEW, UNIT_VIEW) or cop.op == "identity") and cop.args:
+            base = cop.args[0]
+            if isinstance(base, fx.Node):
+                parent[find(node)] = find(base)
+        if node.op == "call_method" and cop and cop.kind == COMPUTE and node.args:
+            src = node.args[0]
+            if isinstance(src, fx.Node) and cop.op == "identity":
+                parent[find(node)] = find(src)
+    return {n: find(n) for n in graph.nodes}
+
+
+def build_regions(graph: fx.Graph, cops: dict[fx.Node, COp], matches: list[Match]):
+    """Regions for the matches (those that can be placed) and for the unclaimed glue."""
+    builder = RegionBuilder(graph, cops)
+    regions, rejections, taken = [], [], set()
+    for match in matches:
+        result = builder.from_match(match)
+        if isinstance(result, Region):
+            regions.append(result)
+            taken |= result.covered
+        else:
+            rejections.append(result)
+    regions += builder.generic(taken)
+    return regions, rejections

@@ -1,0 +1,185 @@
+"""splice: put the fused graph back into the eager module, in place, behind a guard.
+
+The fused forward is Python generated from the rewritten fx graph with ``self`` as the root,
+bound to the original module: parameters, buffers and leaves are looked up on the live
+module at every call, so nothing is copied, ``state_dict`` is unchanged and weights loaded
+later are seen. ``module.forward`` becomes a guarded wrapper that runs the fused graph only
+when the call looks like the traced one (dtypes, devices, non-token sizes, the user's own
+predicate) and the original forward otherwise. :func:`restore` undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fuser.canon import META, UNIT_VIEW, VIEW, COp
+from fuser.trace import Traced
+
+STATE_ATTR = "_fuser_state"
+
+
+def rewrite_graph(graph: fx.Graph, cops: dict[fx.Node, COp], regions: list, launchers: dict[int, Callable]) -> fx.Graph:
+    """A new graph where each region is one call to its launcher, placed at its last node."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    at_last = {}
+    covered = set()
+    for i, region in enumerate(regions):
+        at_last[max(region.covered, key=order.get)] = (i, region)
+        covered |= region.covered
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    origin: dict[fx.Node, fx.Node] = {}
+    dead: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in at_last:
+            i, region = at_last[node]
+            call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs))
+            call.name = f"fused_{region.pattern}_{i}"
+            for k, out in enumerate(region.outputs):
+                env[out] = new.call_function(operator.getitem, (call, k))
+        if node in covered:
+            continue
+        if any(a not in env for a in node.all_input_nodes):
+            dead.add(node)  # only reads values no longer computed: must be unused (checked below)
+            continue
+        env[node] = new.node_copy(node, lambda n: env[n])
+        origin[env[node]] = node
+    for node in dead:
+        live = [u.name for u in node.users if u not in dead and u not in covered]
+        if live:
+            raise AssertionError(f"`{node.name}` reads a fused intermediate but is used by {live}")
+    _drop_unused_views(new, origin, cops)
+    new.lint()
+    return new
+
+
+def _drop_unused_views(graph: fx.Graph, origin: dict, cops: dict):
+    """Remove pure nodes (views, size arithmetic, no-op casts) nobody reads any more."""
+    for node in reversed(list(graph.nodes)):
+        old = origin.get(node)
+        cop = cops.get(old) if old is not None else None
+        pure = cop is not None and (cop.kind in (VIEW, UNIT_VIEW, META) or cop.op == "identity")
+        if pure and not node.users and node.op != "output" and not (cop.kind == META and cop.op == "setitem"):
+            graph.erase_node(node)
+
+
+def compile_forward(graph: fx.Graph, module: torch.nn.Module) -> Callable:
+    """The graph as a method of ``module`` (attributes looked up on ``self`` at call time)."""
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, f"<fuser fused forward of {type(module).__name__}>", "exec"), namespace)
+    return types.MethodType(namespace["forward"], module)
+
+
+@dataclass
+class Guard:
+    """When the fused forward may run: what the trace assumed about the call."""
+
+    signature: inspect.Signature
+    traced: list[tuple[str, Any]]  # (name, spec) for each traced argument
+    defaults: dict[str, Any]  # parameters baked in at their default values
+    predicate: Callable[..., bool] | None = None
+
+    @classmethod
+    def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None) -> "Guard":
+        signature = inspect.signature(module.forward)
+        specs = []
+        for name, value in zip(traced.input_names, traced.example_inputs):
+            if isinstance(value, torch.Tensor):
+                batch = traced.batch_inputs.get(name)
+                sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
+                specs.append((name, ("tensor", value.dtype, value.device, sizes)))
+            else:
+                specs.append((name, ("value", value)))
+        names = set(traced.input_names)
+        defaults = {n: p.default for n, p in signature.parameters.items() if n not in names}
+        return cls(signature, specs, defaults, predicate)
+
+    def why_not(self, args, kwargs) -> str | None:
+        """None when the fused forward applies to this call, else the reason it does not."""
+        return self.check(args, kwargs)[1]
+
+    def check(self, args, kwargs) -> tuple[list | None, str | None]:
+        """(the traced arguments in order, None) when the fused forward applies, else (None, why)."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            return None, str(e)
+        bound.apply_defaults()
+        reason = self._mismatch(bound.arguments)
+        if reason is None and self.predicate is not None and not self.predicate(*args, **kwargs):
+            reason = "the user guard declined"
+        if reason is not None:
+            return None, reason
+        return [bound.arguments[name] for name, _ in self.traced], None
+
+    def _mismatch(self, arguments) -> str | None:
+        for name, default in self.defaults.items():
+            if arguments.get(name, default) is not default:
+                return f"{name} differs from its traced default"
+        for name, spec in self.traced:
+            value = arguments.get(name)
+            if spec[0] == "value":
+                if value != spec[1]:
+                    return f"{name} is {value!r}, traced with {spec[1]!r}"
+                continue
+            _, dtype, device, sizes = spec
+            if not isinstance(value, torch.Tensor):
+                return f"{name} is not a tensor"
+            if value.dtype != dtype or value.device != device or value.dim() != len(sizes):
+                return f"{name} is {value.dtype} {tuple(value.shape)} on {value.device}"
+            for i, (have, want) in enumerate(zip(value.shape, sizes)):
+                if want is None:
+                    if have == 0:
+                        return f"{name} has no tokens"
+                elif have != want:
+                    return f"{name} dim {i} is {have}, traced with {want}"
+        return None
+
+
+@dataclass
+class FuserState:
+    original_forward: Callable | None  # the instance attribute we replaced, if any
+    fused_forward: Callable
+    guard: Guard
+    report: Any
+
+
+def install(module: torch.nn.Module, fused_forward: Callable, guard: Guard, report) -> None:
+    original = module.__dict__.get("forward")
+    eager = module.forward
+
+    @functools.wraps(eager)
+    def forward(*args, **kwargs):
+        traced_args, _ = guard.check(args, kwargs)
+        if traced_args is not None:
+            return fused_forward(*traced_args)
+        return eager(*args, **kwargs)
+
+    state = FuserState(original, fused_forward, guard, report)
+    object.__setattr__(module, STATE_ATTR, state)
+    module.forward = forward
+
+
+def restore(module: torch.nn.Module) -> None:
+    """Undo :func:`fuser.apply`: the module's forward is its own again."""
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not fused by fuser")
+    if state.original_forward is None:
+        del module.forward
+    else:
+        module.forward = state.original_forward
+    del module.__dict__[STATE_ATTR]
+
+
+def is_fused(module: torch.nn.Module) -> bool:
+    return STATE_ATTR in module.__dict__

@@ -1,0 +1,434 @@
+"""trace: capture a module's forward into a torch.fx graph, outside torch.compile.
+
+Why this approach. ``torch.fx.symbolic_trace`` keeps torch-level ops (``x.mean(-1)``,
+``torch.rsqrt``) and lets leaves stay opaque calls to the original code, which is what the
+matcher and the splice need; ``make_fx`` and ``torch.export`` lower to aten (and export runs
+Dynamo), specialise shapes silently and cannot keep arbitrary Python as a leaf. Plain symbolic
+tracing, however, knows nothing about shapes: ``isinstance(x, torch.Tensor)`` is silently False
+for a proxy and every ``if x.dim() == 2`` fails.
+
+So the tracer here *shadows* every traced value with two real values, obtained by running each
+op eagerly on the example inputs at two batch sizes (T and T+1). From the pair it knows each
+value's type, dtype, device and which dimensions follow the batch:
+
+* a static dimension (equal in both shadows) reads as a plain ``int``: branches on it trace
+  correctly and the splice's guard pins it;
+* a batch dimension reads as a proxy (``x.size(0)``), so one trace serves every batch size,
+  and a Python branch on it is refused;
+* ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch
+  and direct Triton launches are refused with the file and line that did it.
+
+Nothing is ever dropped silently: what cannot be traced raises :class:`TraceRefused`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+import os
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from fuser.opaque import is_opaque
+
+# Module types kept opaque whatever the user says: the heavy ops of a decode layer.
+DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
+
+_FUSER_DIR = os.path.dirname(os.path.abspath(__file__))
+_FUSER_PATTERNS = os.path.join(_FUSER_DIR, "patterns")
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__))
+    for m in (torch, inspect, fx)
+    if getattr(m, "__file__", None)
+)
+
+
+class TraceRefused(Exception):
+    """The module does something the tracer will not guess about. Names the user's line."""
+
+
+def user_frame() -> str:
+    """``file:line: code`` of the innermost frame outside fuser, torch and the stdlib."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_FUSER_DIR) and not path.startswith(_FUSER_PATTERNS) or path.startswith(_LIBRARY_DIRS) or "/triton/" in path:
+            continue
+        code = (frame.line or "").strip()
+        return f"{frame.filename}:{frame.lineno}" + (f": `{code}`" if code else "")
+    return "<unknown location>"
+
+
+def refuse(what: str, fix: str) -> TraceRefused:
+    return TraceRefused(f"{user_frame()}: {what}. {fix}")
+
+
+@dataclass
+class Traced:
+    """The traced graph of a module, with what the shadows told about every node."""
+
+    root: torch.nn.Module
+    graph: fx.Graph
+    input_names: list[str]
+    batch_inputs: dict[str, int]  # placeholder name -> its batch dim
+    example_inputs: tuple
+    # node name -> (value at T, value at T+1); tensors keep their real data.
+    shadows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def value(self, node: fx.Node) -> Any:
+        return self.shadows[node.name][0]
+
+    def batch_dims(self, node: fx.Node) -> tuple[int, ...]:
+        """Dimensions of ``node``'s tensor value that follow the batch size."""
+        a, b = self.shadows[node.name]
+        if not isinstance(a, torch.Tensor):
+            return ()
+        return tuple(i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y)
+
+
+class ShadowProxy(fx.Proxy):
+    """A proxy that also carries the two real values the node takes."""
+
+    shadow: tuple[Any, Any]
+
+    # --- metadata reads: static answers where both shadows agree ---------------------------
+    @property
+    def __class__(self):  # noqa: D401 - isinstance() must see the traced value's type
+        return type(self.shadow[0])
+
+    def _tensor(self) -> torch.Tensor:
+        value = self.shadow[0]
+        if not isinstance(value, torch.Tensor):
+            raise refuse(f"tensor metadata asked of a {type(value).__name__}", "")
+        return value
+
+    def size(self, dim: int | None = None):
+        a, b = self.shadow
+        if dim is None:
+            return tuple(self.size(i) for i in range(a.dim()))
+        if a.shape[dim] == b.shape[dim]:
+            return int(a.shape[dim])
+        return self.tracer.create_proxy("call_method", "size", (self, dim), {})
+
+    @property
+    def shape(self):
+        return self.size()
+
+    def dim(self) -> int:
+        return self._tensor().dim()
+
+    ndimension = dim
+
+    @property
+    def ndim(self) -> int:
+        return self._tensor().dim()
+
+    @property
+    def dtype(self):
+        return self._tensor().dtype
+
+    @property
+    def device(self):
+        return self._tensor().device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._tensor().is_cuda
+
+    def numel(self):
+        a, b = self.shadow
+        if a.numel() == b.numel():
+            return a.numel()
+        return self.tracer.create_proxy("call_method", "numel", (self,), {})
+
+    def is_contiguous(self, *args, **kwargs) -> bool:
+        a, b = self.shadow
+        answer = a.is_contiguous(*args, **kwargs)
+        if answer != b.is_contiguous(*args, **kwargs):
+            raise refuse("is_contiguous() depends on the batch size", "Make the layout static.")
+        return answer
+
+    # --- what cannot be traced ---------------------------------------------------------------
+    def __bool__(self):
+        raise refuse(
+            "Python control flow on a traced value (it depends on the batch size or on tensor data)",
+            "Branch on static sizes only, or move this code into an opaque leaf (@fuser.opaque).",
+        )
+
+    def __len__(self):
+        value = self.shadow[0]
+        if isinstance(value, (tuple, list)):
+            return len(value)
+        size = self.size(0)
+        if isinstance(size, int):
+            return size
+        raise refuse("len() of a tensor whose first dim is the batch", "Use x.shape[0] in tensor ops.")
+
+    def __iter__(self):
+        value = self.shadow[0]
+        if isinstance(value, (tuple, list)):
+            return iter([self[i] for i in range(len(value))])
+        raise refuse("iteration over a traced tensor", "Index it explicitly or make it an opaque leaf.")
+
+    def _host_sync(self, *args, **kwargs):
+        raise refuse(
+            "a host read of a traced tensor (.item()/.tolist()/data_ptr(); a sync the graph cannot replay)",
+            "Keep it on the device, or move this code into an opaque leaf (@fuser.opaque).",
+        )
+
+    item = tolist = numpy = data_ptr = __int__ = __float__ = __index__ = _host_sync
+
+    def __setitem__(self, index, value):
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)  # private probes (e.g. Parameter's _is_param)
+        value = self.shadow[0] if "shadow" in self.__dict__ else None
+        attr = getattr(value, name, None)
+        if callable(attr) or attr is None:
+            return super().__getattr__(name)  # a method: an fx Attribute, called later
+        return self.tracer.create_proxy("call_function", builtins.getattr, (self, name), {})
+
+
+def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
+    if kind == "call_function":
+        return target(*args, **kwargs)
+    if kind == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    if kind == "call_module":
+        return root.get_submodule(target)(*args, **kwargs)
+    if kind == "get_attr":
+        obj = root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise AssertionError(kind)
+
+
+class ShadowTracer(fx.Tracer):
+    """fx tracer with shadow values, an opaque-leaf policy and refusals with locations."""
+
+    def __init__(
+        self,
+        leaf_names: Iterable[str] = (),
+        leaf_types: Sequence[type] = (),
+        leaf_functions: Sequence[Callable] = (),
+    ):
+        super().__init__(autowrap_functions=tuple(leaf_functions), param_shapes_constant=True)
+        self.leaf_names = set(leaf_names)
+        self.leaf_types = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_types)
+        self.shadows: dict[str, tuple[Any, Any]] = {}
+        self._placeholder_values: dict[str, tuple[Any, Any]] = {}
+        self._eager_depth = 0
+        self._attr_names: dict[int, str] = {}
+
+    # --- leaf policy -------------------------------------------------------------------------
+    def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
+        return (
+            qualified_name in self.leaf_names
+            or isinstance(m, self.leaf_types)
+            or is_opaque(type(m))
+            or is_opaque(m)
+        )
+
+    def call_module(self, m, forward, args, kwargs):
+        if self._eager_depth:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._eager_depth or not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        name = self._attr_names.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    # --- proxies carry shadows ---------------------------------------------------------------
+    def create_arg(self, a):
+        if issubclass(type(a), fx.Proxy):  # before fx's own isinstance() probes
+            return a.node
+        return super().create_arg(a)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShadowProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr)
+        if kind == "output":
+            return proxy
+        if kind == "placeholder":
+            # A parameter the example does not pass is baked at its default (fx's concrete_args).
+            default = args[0] if args else None
+            shadow = self._placeholder_values.get(target, (default, default))
+        else:
+            shadow = tuple(self._eager(kind, target, args, kwargs, i) for i in (0, 1))
+        proxy.shadow = shadow
+        self.shadows[proxy.node.name] = shadow
+        return proxy
+
+    def _eager(self, kind, target, args, kwargs, which: int):
+        def pick(a):
+            return a.shadow[which] if isinstance(a, ShadowProxy) else a
+
+        args = map_aggregate(args, pick)
+        kwargs = map_aggregate(kwargs, pick)
+        self._eager_depth += 1
+        try:
+            return _run_node(kind, target, args, kwargs, self.root)
+        finally:
+            self._eager_depth -= 1
+
+    # --- entry point -------------------------------------------------------------------------
+    def trace_with_shadows(self, root, inputs_a: tuple, inputs_b: tuple) -> fx.Graph:
+        """Trace ``root`` (a module or a plain function) on inputs at batch sizes T and T+1."""
+        self._attr_names = {}
+        if isinstance(root, torch.nn.Module):
+            for name, t in list(root.named_parameters(remove_duplicate=False)) + list(
+                root.named_buffers(remove_duplicate=False)
+            ):
+                self._attr_names.setdefault(id(t), name)
+        params = list(inspect.signature(forward_of(root)).parameters.values())
+        names = [p.name for p in params[: len(inputs_a)]]
+        self._placeholder_values = {n: (a, b) for n, a, b in zip(names, inputs_a, inputs_b)}
+        # Parameters the example does not pass keep their defaults, baked into the trace.
+        defaults = {p.name: p.default for p in params[len(inputs_a) :]}
+        missing = [n for n, d in defaults.items() if d is inspect.Parameter.empty]
+        if missing:
+            raise ValueError(f"example_inputs give no value for forward parameters {missing}")
+        with _refuse_direct_kernel_launches(), warnings.catch_warnings():
+            # fx warns that baked defaults get no runtime assertion; the splice's guard checks them.
+            warnings.filterwarnings("ignore", message="Was not able to add assertion")
+            return self.trace(root, concrete_args=defaults or None)
+
+
+class _refuse_direct_kernel_launches:
+    """While tracing, a Triton launch with traced arguments raises instead of running."""
+
+    def __enter__(self):
+        self._patched = []
+        try:
+            from triton.runtime import jit as triton_jit
+        except ImportError:
+            return self
+        targets = [triton_jit.JITFunction]
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            targets.append(InterpretedFunction)
+        except ImportError:
+            pass
+        for cls in targets:
+            original = cls.run
+
+            def guarded(self_, *args, __original=original, **kwargs):
+                if any(isinstance(a, fx.Proxy) for a in list(args) + list(kwargs.values())):
+                    raise refuse(
+                        f"a direct Triton kernel launch ({getattr(self_, '__name__', self_)}) on traced values",
+                        "Wrap the function that launches it with @fuser.opaque.",
+                    )
+                return __original(self_, *args, **kwargs)
+
+            cls.run = guarded
+            self._patched.append((cls, original))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._patched:
+            cls.run = original
+        return False
+
+
+def forward_of(root) -> Callable:
+    return root.forward if isinstance(root, torch.nn.Module) else root
+
+
+def _grow_batch(value: Any, dim: int) -> Any:
+    """The example input at batch size T+1: its first row repeated once more."""
+    index = torch.zeros(1, dtype=torch.long, device=value.device)
+    return torch.cat([value, value.index_select(dim, index)], dim=dim)
+
+
+def default_batch_inputs(names: Sequence[str], inputs: Sequence[Any]) -> dict[str, int]:
+    """Every tensor input with at least one dim has the batch (tokens) as dim 0."""
+    return {n: 0 for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.dim() >= 1}
+
+
+def opaque_functions_of(root: torch.nn.Module) -> list[Callable]:
+    """Functions marked @fuser.opaque that the module's forward code can reach by name."""
+    found = {}
+    for module in root.modules():
+        namespace = getattr(type(module).forward, "__globals__", {})
+        for value in namespace.values():
+            if callable(value) and not isinstance(value, type) and is_opaque(value):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def trace(
+    module: torch.nn.Module | Callable,
+    example_inputs: Sequence[Any],
+    *,
+    leaves: Iterable[str | type | Callable] = (),
+    batch_inputs: dict[str, int] | None = None,
+) -> Traced:
+    """Trace ``module.forward`` (or a plain function) with the token dimension symbolic.
+
+    ``leaves`` adds opaque leaves: submodule qualified names, module classes or functions.
+    ``batch_inputs`` maps forward parameter names to their batch dim (default: dim 0 of every
+    tensor input). Buffers the forward mutates are restored afterwards.
+    """
+    example_inputs = tuple(example_inputs)
+    names = list(inspect.signature(forward_of(module)).parameters)[: len(example_inputs)]
+    if batch_inputs is None:
+        batch_inputs = default_batch_inputs(names, example_inputs)
+    unknown = set(batch_inputs) - set(names)
+    if unknown:
+        raise ValueError(f"batch_inputs names {sorted(unknown)} are not parameters of forward{tuple(names)}")
+    grown = tuple(
+        _grow_batch(v, batch_inputs[n]) if n in batch_inputs else v for n, v in zip(names, example_inputs)
+    )
+    leaves = list(leaves)
+    tracer = ShadowTracer(
+        leaf_names=[x for x in leaves if isinstance(x, str)],
+        leaf_types=[x for x in leaves if isinstance(x, type)],
+        leaf_functions=[x for x in leaves if callable(x) and not isinstance(x, type)]
+        + (opaque_functions_of(module) if isinstance(module, torch.nn.Module) else []),
+    )
+    with preserved_state(module, example_inputs), torch.no_grad():
+        graph = tracer.trace_with_shadows(module, example_inputs, grown)
+    return Traced(
+        root=module,
+        graph=graph,
+        input_names=names,
+        batch_inputs=dict(batch_inputs),
+        example_inputs=example_inputs,
+        shadows=tracer.shadows,
+    )
+
+
+class preserved_state:
+    """Snapshot a module's buffers and the tensor inputs; put them back on exit (in place)."""
+
+    def __init__(self, module: torch.nn.Module, inputs: Iterable[Any] = ()):
+        buffers = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+        self.tensors = buffers + [x for x in inputs if isinstance(x, torch.Tensor)]
+
+    def __enter__(self):
+        self.saved = [t.detach().clone() for t in self.tensors]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for t, saved in zip(self.tensors, self.saved):
+                t.copy_(saved)
+        return False
