@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -22,7 +23,7 @@ from fuser.pattern import load_patterns
 from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder
 from fuser.report import FusedChain, Rejected, Report, Unfused
 from fuser.splice import Guard, compile_forward, install, is_fused, restore, rewrite_graph
-from fuser.tolerance import mismatch
+from fuser.tolerance import LAYER, mismatch
 from fuser.trace import Traced, preserved_state, trace
 
 
@@ -98,6 +99,9 @@ def plan(
     validate: bool = True,
 ) -> Plan:
     """Everything :func:`apply` does except installing the fused forward."""
+    on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
+    if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise FuserError("the example inputs are on the CPU: fused kernels run there only in Triton's interpreter; set TRITON_INTERPRET=1")
     traced = trace(module, example_inputs, leaves=leaves, batch_inputs=batch_inputs)
     cops = canonicalize(traced)
     all_patterns = load_patterns(list(patterns), template_names())
@@ -253,11 +257,11 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     finally:
         restore(module)
     problems, compared = [], ["output"] + list(eager_state)
-    problem = mismatch(fused_out, eager_out, "output")
+    problem = mismatch(fused_out, eager_out, "output", LAYER)
     if problem:
         problems.append(problem)
     for name, expected in eager_state.items():
-        problem = mismatch(fused_state[name], expected, name)
+        problem = mismatch(fused_state[name], expected, name, LAYER)
         if problem:
             problems.append(problem)
     return CheckResult(not problems, problems, compared, report)

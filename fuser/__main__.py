@@ -1,0 +1,5 @@
+import sys
+
+from fuser.cli import main
+
+sys.exit(main())
