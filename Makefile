@@ -11,7 +11,7 @@ TRITON ?= 3.6.0
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==$(TORCH) triton==$(TRITON)
+	$(BIN)/pip install -q --disable-pip-version-check torch==$(TORCH) triton==$(TRITON) numpy
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	touch $@
 

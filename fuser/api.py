@@ -144,6 +144,13 @@ def plan(
                 rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", problem))
                 failed.update({n: f"fused kernel disagreed with eager ({problem})" for n in region.nodes})
 
+    # Place the surviving kernels again: a dropped one no longer produces its values early.
+    placer = RegionBuilder(traced.graph, cops)
+    for kernel in list(kernels):
+        if placer.replace(kernel.region) is None:
+            kernels.remove(kernel)
+            region = kernel.region
+            failed.update({n: "no valid place to run it once other kernels were dropped" for n in region.nodes})
     regions = [k.region for k in kernels]
     graph = rewrite_graph(traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)})
     forward = compile_forward(graph, module)

@@ -6,9 +6,10 @@ often its longest path from the inputs leaves the fusible glue through a barrier
 leaves, in-place writes, unsupported ops, views of computed values, pattern regions). Nodes separated by a barrier never share a
 kernel, which keeps every region free of cycles through the rest of the graph.
 
-Every region must also be safe to run at one point of the program, the place of its last
-node: all values it produces are used after that point, and nothing between its first read
-of an input and that point writes to the input (or to any view of it).
+Every region must also be safe to run at one point of the program — the place of its last
+node, or else right after its last input is made: all its inputs exist there, all values it
+produces are used after it, and nothing between the chain's own reads of an input and that
+point writes to the input (or to any view of it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Region:
     template: str
     match: Match | None = None  # None: the generic fallback
     covered: set = field(default_factory=set)  # every node the kernel replaces
+    position: fx.Node | None = None  # the kernel runs just before this node of the old graph
 
     @property
     def pattern(self) -> str:
@@ -53,6 +55,8 @@ class RegionBuilder:
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.alias = _alias_classes(graph, cops)
         self.writers = [n for n in graph.nodes if n in cops and cops[n].kind in (MUTATION, HEAVY)]
+        self.made_at: dict[fx.Node, int] = {}  # region output -> position of its kernel
+        self.read_at: dict[fx.Node, int] = {}  # node replaced by a kernel -> that kernel's position
 
     # --- shared structure --------------------------------------------------------------------
     def boundary(self, nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -68,21 +72,61 @@ class RegionBuilder:
                 outputs.append(node)
         return inputs, outputs
 
-    def placement_problem(self, covered: set, inputs: list, outputs: list) -> tuple[str, int] | None:
-        """Why the region cannot run at its last node, and the position to cut it at."""
+    def placement(self, covered: set, inputs: list, outputs: list) -> tuple[fx.Node | None, str, int]:
+        """Where the kernel can run: (the node it runs just before, "", 0) or (None, why, cut).
+
+        Tried in turn: at the chain's last node, then right after its last input is made.
+        """
+        nodes = list(self.graph.nodes)
         last = max(self.order[n] for n in covered)
+        earliest = max((self._ready(i) for i in inputs), default=0)
+        problems = []
+        for position in (last, earliest):
+            problem = self._problem_at(position, covered, inputs, outputs)
+            if problem is None:
+                return nodes[position], "", 0
+            problems.append(problem)
+        return None, *problems[0]
+
+    def _ready(self, value: fx.Node) -> int:
+        """The first position at which ``value`` exists (a region's output: where it runs)."""
+        return self.made_at.get(value, self.order[value] + 1)
+
+    def _problem_at(self, position: int, covered: set, inputs: list, outputs: list):
+        for inp in inputs:
+            if self._ready(inp) > position:
+                return f"`{inp.name}` is made after the point the chain would run", self._ready(inp)
         for out in outputs:
             for user in out.users:
-                if user not in covered and self.order[user] < last:
+                if user in covered:
+                    continue
+                used_at = self.read_at.get(user, self.order[user])
+                if used_at < position:
                     return f"`{out.name}` is used by `{user.name}` before the chain ends", self.order[user]
         for inp in inputs:
-            readers = [self.order[n] for n in covered if _reads(self.cops[n], inp) or inp in n.all_input_nodes]
-            first = min(readers) if readers else last
+            reads = [self.order[n] for n in covered if inp in n.all_input_nodes or _reads(self.cops[n], inp)]
+            low, high = min(reads + [position]), max(reads + [position])
             for writer in self.writers:
-                pos = self.order[writer]
-                if first < pos < last and self._writes(writer, inp):
-                    return f"`{writer.name}` writes `{inp.name}` while the chain reads it", pos
+                if low < self.order[writer] < high and writer not in covered and self._writes(writer, inp):
+                    return f"`{writer.name}` writes `{inp.name}` while the chain reads it", self.order[writer]
         return None
+
+    def commit(self, region: "Region") -> None:
+        """Record where a region runs, so later regions are placed consistently with it."""
+        at = self.order[region.position]
+        for node in region.outputs:
+            self.made_at[node] = at
+        for node in region.covered:
+            self.read_at[node] = at
+
+    def replace(self, region: "Region") -> "Region | None":
+        """Place an already built region again (after others were dropped); None if it cannot be."""
+        position, _, _ = self.placement(region.covered, region.inputs, region.outputs)
+        if position is None:
+            return None
+        region.position = position
+        self.commit(region)
+        return region
 
     def _writes(self, writer: fx.Node, value: fx.Node) -> bool:
         cls = self.alias.get(value)
@@ -105,10 +149,12 @@ class RegionBuilder:
             covered = {c for n in nodes for c in self.cops[n].covers}
             inputs, _ = self.boundary(nodes)
             outputs = list(match.outputs)
-        problem = self.placement_problem(covered, inputs, outputs)
-        if problem:
-            return Rejection(pattern.name, match.outputs[0].name, problem[0], "order")
-        return Region(nodes, inputs, outputs, pattern.template, match, covered)
+        position, problem, _ = self.placement(covered, inputs, outputs)
+        if position is None:
+            return Rejection(pattern.name, match.outputs[0].name, problem, "order")
+        region = Region(nodes, inputs, outputs, pattern.template, match, covered, position)
+        self.commit(region)
+        return region
 
     # --- generic fallback --------------------------------------------------------------------
     def generic(self, taken: set) -> list[Region]:
@@ -130,14 +176,15 @@ class RegionBuilder:
         """Split a component until every part can run at its last node."""
         nodes = sorted(nodes, key=self.order.get)
         inputs, outputs = self.boundary(nodes)
-        problem = self.placement_problem(set(nodes), inputs, outputs)
-        if problem is None:
+        position, _, cut = self.placement(set(nodes), inputs, outputs)
+        if position is not None:
             template = "row_reduce" if any(self.cops[n].op in _REDUCING for n in nodes) else "pointwise"
             # A node folded into another (sum into mean) is computed by that one.
             absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
             lowered = [n for n in nodes if n not in absorbed]
-            return [Region(lowered, inputs, outputs, template, None, set(nodes))]
-        cut = problem[1]
+            region = Region(lowered, inputs, outputs, template, None, set(nodes), position)
+            self.commit(region)
+            return [region]
         before = [n for n in nodes if self.order[n] < cut]
         after = [n for n in nodes if self.order[n] >= cut]
         if not before or not after:

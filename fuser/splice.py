@@ -27,20 +27,18 @@ STATE_ATTR = "_fuser_state"
 
 
 def rewrite_graph(graph: fx.Graph, cops: dict[fx.Node, COp], regions: list, launchers: dict[int, Callable]) -> fx.Graph:
-    """A new graph where each region is one call to its launcher, placed at its last node."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    at_last = {}
+    """A new graph where each region is one call to its launcher, placed at its position."""
+    at_position: dict[fx.Node, list] = {}
     covered = set()
     for i, region in enumerate(regions):
-        at_last[max(region.covered, key=order.get)] = (i, region)
+        at_position.setdefault(region.position, []).append((i, region))
         covered |= region.covered
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     origin: dict[fx.Node, fx.Node] = {}
     dead: set[fx.Node] = set()
     for node in graph.nodes:
-        if node in at_last:
-            i, region = at_last[node]
+        for i, region in at_position.get(node, ()):
             call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs))
             call.name = f"fused_{region.pattern}_{i}"
             for k, out in enumerate(region.outputs):
