@@ -101,7 +101,7 @@ class _Params(dict):
     """Params that render as their repr (floats keep full precision) and print sorted."""
 
     def __str__(self):
-        return ", ".join(f"{k}={v!r}" for k, v in sorted(self.items())) or "-"
+        return ", ".join(f"{k}={v}" for k, v in sorted(self.items())) or "-"
 
     def __getattr__(self, name):
         try:

@@ -128,55 +128,82 @@ class _Lowerer:
         return tuple(value.shape)
 
     def _tiling(self) -> tuple[bool, int]:
-        """Tile the last axis when no op mixes values along it (and it is wide enough to matter)."""
+        """Tile the outputs' last axis when no op mixes values along it.
+
+        The tiled axis is followed backwards from the outputs through broadcasts, reshapes that
+        only add or drop size-1 dims, and reductions over other axes; ``self.tile_axis`` records
+        which axis of each value it is (None: the value is broadcast along it).
+        """
+        self.tile_axis: dict[fx.Node, int | None] = {}
         outs = [self.block_shape(n) for n in self.outputs]
-        if not all(outs) or len({s[-1] for s in outs}) != 1:
+        if not all(outs) or len({s[-1] for s in outs}) != 1 or outs[0][-1] <= 1:
             return False, 1
         last = outs[0][-1]
-        for node in self.nodes:
+        axis: dict[fx.Node, int | None] = {n: len(shape) - 1 for n, shape in zip(self.outputs, outs)}
+        for node in reversed(self.nodes):
+            mine = axis.setdefault(node, None)
             cop = self.cops[node]
-            rank = len(self.block_shape(node))
-            if cop.op in REDUCTIONS or cop.op == "softmax":
-                src = cop.args[0]
-                src_rank = self.traced.value(src).dim()
-                if (src_rank - 1) in cop.attr("dim"):
+            for arg in cop.args:
+                if not isinstance(arg, fx.Node):
+                    continue
+                theirs = self._arg_axis(node, cop, arg, mine, last)
+                if theirs == "conflict" or axis.setdefault(arg, theirs) != theirs:
+                    self.tile_axis = {}
                     return False, 1
-            if cop.kind == UNIT_VIEW and rank and self.block_shape(cop.args[0])[-1:] != (last,):
-                return False, 1
-            shape = self.block_shape(node)
-            if shape and shape[-1] not in (1, last):
-                return False, 1
-        for node in self.inputs:
-            shape = self.block_shape(node)
-            if shape and shape[-1] not in (1, last):
-                return False, 1
-        return last > 1, last
+        self.tile_axis = axis
+        return True, last
+
+    def _arg_axis(self, node, cop: COp, arg: fx.Node, mine, last):
+        """Which axis of ``arg`` feeds the tiled axis ``mine`` of ``node`` (or "conflict")."""
+        shape, src = self.block_shape(node), self.block_shape(arg)
+        if mine is None:
+            return None
+        if cop.op in REDUCTIONS or cop.op == "softmax":
+            reduced = self._block_axes(cop)
+            if cop.op == "softmax" or cop.attr("keepdim"):
+                k = mine
+            else:
+                kept = [i for i in range(len(src)) if i not in reduced]
+                k = kept[mine]
+            return "conflict" if k in reduced else k
+        if cop.kind == UNIT_VIEW and cop.op == "reshape":
+            before = sum(1 for s in shape[:mine] if s != 1)
+            positions = [i for i, s in enumerate(src) if s != 1]
+            return positions[before] if before < len(positions) and src[positions[before]] == last else "conflict"
+        k = mine - (len(shape) - len(src))  # elementwise, expand: numpy right-aligned broadcast
+        if k < 0 or src[k] == 1:
+            return None
+        return k if src[k] == last else "conflict"
+
+    def _block_axes(self, cop: COp) -> list[int]:
+        src = cop.args[0]
+        offset = 1 if self.traced.batch_dims(src) else 0
+        return [d - offset for d in cop.attr("dim")]
 
     # --- index and mask expressions ----------------------------------------------------------
-    def axis_index(self, axis: int, rank: int, size: int) -> str:
-        """Index along ``axis`` of a rank-``rank`` block, broadcastable against the others."""
-        if self.tiled and axis == rank - 1 and size == self.last and size > 1:
-            base = "cols"
-        else:
-            base = f"tl.arange(0, {pow2(size)})"
+    def is_tiled(self, node: fx.Node, axis: int) -> bool:
+        return self.tiled and self.tile_axis.get(node) == axis
+
+    def axis_index(self, node: fx.Node, axis: int, rank: int) -> str:
+        """Index along ``axis`` of ``node``'s rank-``rank`` block, broadcastable against others."""
+        size = self.block_shape(node)[axis]
+        base = "cols" if self.is_tiled(node, axis) else f"tl.arange(0, {pow2(size)})"
         if rank == 1:
             return base
         expand = ", ".join(":" if i == axis else "None" for i in range(rank))
         return f"{base}[{expand}]"
 
-    def padded(self, shape) -> tuple[int, ...]:
-        return tuple(
-            self.block_last if self.tiled and i == len(shape) - 1 and s == self.last and s > 1 else pow2(s)
-            for i, s in enumerate(shape)
-        )
+    def padded(self, node: fx.Node) -> tuple[int, ...]:
+        shape = self.block_shape(node)
+        return tuple(self.block_last if self.is_tiled(node, i) else pow2(s) for i, s in enumerate(shape))
 
-    def mask(self, shape) -> str | None:
-        terms = []
-        for axis, size in enumerate(shape):
-            if self.tiled and axis == len(shape) - 1 and size == self.last and size > 1:
-                terms.append(f"({self.axis_index(axis, len(shape), size)} < {size})")
-            elif pow2(size) != size:
-                terms.append(f"({self.axis_index(axis, len(shape), size)} < {size})")
+    def mask(self, node: fx.Node) -> str | None:
+        shape = self.block_shape(node)
+        terms = [
+            f"({self.axis_index(node, axis, len(shape))} < {size})"
+            for axis, size in enumerate(shape)
+            if self.is_tiled(node, axis) or pow2(size) != size
+        ]
         return " & ".join(terms) if terms else None
 
     # --- code --------------------------------------------------------------------------------
@@ -199,10 +226,11 @@ class _Lowerer:
             return name
         return f"{name}.to(tl.float32)"
 
-    def emit(self, node: fx.Node, expr: str):
+    def emit(self, node: fx.Node, expr: str, layout_only: bool = False):
+        """``name = expr``, rounded to the node's dtype unless it only moves values around."""
         dtype = self.traced.value(node).dtype
         name = self.fresh(node)
-        if dtype not in (torch.float32, torch.bool):
+        if dtype not in (torch.float32, torch.bool) and not layout_only:
             expr = f"({expr}).to({TL_DTYPES[dtype]})"
         self.lines.append(f"{name} = {expr}  # {node.name}")
         self.shapes[node] = self.block_shape(node)
@@ -214,9 +242,9 @@ class _Lowerer:
         terms = [f"{operand.name}_ptr"]
         if operand.has_rows:
             terms.append(f"row * {operand.name}_stride_row")
-        for axis, size in enumerate(shape):
-            terms.append(f"{self.axis_index(axis, rank, size)} * {operand.name}_stride_{axis}")
-        mask = self.mask(shape)
+        for axis in range(rank):
+            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
+        mask = self.mask(node)
         extra = f", mask={mask}, other=0.0" if mask else ""
         name = self.fresh(node, "in")
         self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
@@ -227,17 +255,15 @@ class _Lowerer:
         shape = operand.shape
         rank = len(shape)
         terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
-        for axis, size in enumerate(shape):
-            terms.append(f"{self.axis_index(axis, rank, size)} * {operand.name}_stride_{axis}")
+        for axis in range(rank):
+            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
         value = self.names[node]
-        if self.shapes[node] != shape:
-            value = f"tl.broadcast_to({value}, {self.padded(shape)})"
-        mask = self.mask(shape)
+        mask = self.mask(node)
         extra = f", mask={mask}" if mask else ""
         self.lines.append(f"tl.store({' + '.join(terms)}, ({value}).to({TL_DTYPES[operand.dtype]}){extra})")
 
     def masked(self, node: fx.Node, fill: str) -> str:
-        mask = self.mask(self.shapes[node])
+        mask = self.mask(node)
         value = self.f32(node)
         return f"tl.where({mask}, {value}, {fill})" if mask else value
 
@@ -268,13 +294,12 @@ class _Lowerer:
             soft = f"tl.log(1.0 + tl.exp({scaled})) / {beta!r}"
             return self.emit(node, f"tl.where({scaled} > {threshold!r}, {a}, {soft})")
         if op in ("reshape", "expand"):
-            src_shape = self.shapes[args[0]]
-            shape = self.block_shape(node)
+            src = self.names[args[0]]
             if op == "expand":
-                return self.emit(node, f"tl.broadcast_to({a}, {self.padded(shape)})")
-            if self.padded(shape) == self.padded(src_shape):
-                return self.emit(node, a)
-            return self.emit(node, f"tl.reshape({a}, {self.padded(shape) or (1,)})")
+                return self.emit(node, f"tl.broadcast_to({src}, {self.padded(node)})", layout_only=True)
+            if self.padded(node) == self.padded(args[0]):
+                return self.emit(node, src, layout_only=True)
+            return self.emit(node, f"tl.reshape({src}, {self.padded(node) or (1,)})", layout_only=True)
         if op in REDUCTIONS or op == "softmax":
             return self.reduce(node, cop)
         raise LoweringError(f"`{node.name}`: no lowering for {op}")
@@ -293,7 +318,7 @@ class _Lowerer:
             m = self.masked(src, "float('-inf')")
             self.lines.append(f"_max = tl.expand_dims(tl.max({m}, axis={axis}), {axis})")
             self.lines.append(f"_exp = tl.exp({self.f32(src)} - _max)")
-            mask = self.mask(shape)
+            mask = self.mask(src)
             if mask:
                 self.lines.append(f"_exp = tl.where({mask}, _exp, 0.0)")
             return self.emit(node, f"_exp / tl.expand_dims(tl.sum(_exp, axis={axis}), {axis})")
@@ -313,14 +338,14 @@ class _Lowerer:
     def lower(self) -> RowProgram:
         ins = [self._operand(n, f"in{i}") for i, n in enumerate(self.inputs)]
         outs = [self._operand(n, f"out{i}") for i, n in enumerate(self.outputs)]
-        numel = max(math.prod(self.padded(self.block_shape(n)) or (1,)) for n in self.nodes + self.inputs)
+        values = self.nodes + self.inputs
         if self.tiled:
             others = max(
-                math.prod(pow2(s) for s in self.block_shape(n)[:-1]) if self.block_shape(n) else 1
-                for n in self.nodes + self.inputs
+                math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))
+                for n in values
             )
             self.block_last = min(pow2(self.last), max(16, pow2(max(1, 2048 // others))))
-            numel = others * self.block_last
+        numel = max(math.prod(self.padded(n) or (1,)) for n in values)
         for operand, node in zip(ins, self.inputs):
             self.load(operand, node)
         for node in self.nodes:

@@ -6,9 +6,13 @@ Two levels:
   bf16 allows two units in the last place relative (2 * 2^-8): the kernel computes the chain
   in fp32 and may round one ulp apart from PyTorch, and Triton's CPU interpreter truncates
   fp32->bf16 instead of rounding to nearest.
-* ``LAYER`` — a whole module's output (``fuser check``): each one-ulp difference passes
-  through later GEMMs and bf16 roundings; on the tiny DSv4 layer a one-ulp change of the
-  input alone moves the output by up to 0.05 (4 ulps at 4.0), so bf16 allows 2^-5 relative.
+* ``LAYER`` — a whole module's output and buffers (``fuser check``). Each one-ulp
+  difference passes through later GEMMs and bf16 roundings, so elementwise bounds do not
+  fit: on the tiny DSv4 layer, changing the *input* by one bf16 ulp moves the output by
+  ~1% in norm and up to 0.05 at 4.0, and the fused layer differs from eager by the same
+  (1.2%, 0.09). The layer check therefore bounds the normwise relative error
+  ``|a - e| / |e|`` and the largest error relative to the largest value; a wrong kernel
+  gives errors of order one in both.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ KERNEL = {
     torch.float16: (2e-3, 1e-3),
     torch.bfloat16: (2**-7, 1e-2),
 }
-#: dtype -> (rtol, atol), for a whole module's outputs and buffers
+#: dtype -> (normwise rtol, max error relative to max |value|), for a whole module
 LAYER = {
-    torch.float32: (1e-3, 1e-4),
-    torch.float16: (1e-2, 1e-2),
-    torch.bfloat16: (2**-5, 2**-5),
+    torch.float32: (1e-4, 1e-3),
+    torch.float16: (4e-3, 1.6e-2),
+    torch.bfloat16: (2**-5, 2**-4),
 }
 
 
@@ -52,7 +56,27 @@ def mismatch(actual, expected, what: str = "value", level: dict = KERNEL) -> str
     a, e = actual.detach().cpu(), expected.detach().cpu()
     if not e.is_floating_point():
         return None if torch.equal(a, e) else f"{what}: {int((a != e).sum())} elements differ"
+    if level is LAYER:
+        return _layer_mismatch(a.double(), e.double(), what, rtol, atol, expected.dtype)
     if torch.allclose(a.float(), e.float(), rtol=rtol, atol=atol, equal_nan=True):
         return None
     diff = (a.float() - e.float()).abs().nan_to_num(float("inf"))
     return f"{what}: max |diff| {diff.max().item():.3g} over rtol={rtol:g}, atol={atol:g} ({expected.dtype})"
+
+
+def _layer_mismatch(a, e, what, norm_rtol, max_rtol, dtype) -> str | None:
+    if not torch.equal(a.isnan(), e.isnan()) or not torch.equal(a.isinf(), e.isinf()):
+        return f"{what}: NaN/Inf positions differ"
+    finite = e.isfinite()
+    a, e = a[finite], e[finite]
+    if e.numel() == 0:
+        return None
+    diff = a - e
+    norm_err = (diff.norm() / e.norm().clamp_min(1e-30)).item()
+    max_err = (diff.abs().max() / e.abs().max().clamp_min(1e-30)).item()
+    if norm_err <= norm_rtol and max_err <= max_rtol:
+        return None
+    return (
+        f"{what}: normwise relative error {norm_err:.3g} (limit {norm_rtol:g}), "
+        f"max error / max value {max_err:.3g} (limit {max_rtol:g}) ({dtype})"
+    )
