@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fuser.canon import canonicalize, eager_launches, is_glue
+from fuser.canon import INPUT, MUTATION, UNSUPPORTED, canonicalize, eager_launches, is_glue
 from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
@@ -185,20 +185,30 @@ def _report(module, traced, cops, kernels, rejected, failed) -> Report:
         launches = eager_launches(cop)
         if launches == 0:
             continue  # views and no-ops cost nothing; they stay as they are
-        report.unfused.append(Unfused(node.name, cop.op, failed.get(node) or _reason(cop), launches))
+        reason = failed.get(node) or _reason(node, cops, covered)
+        if not traced.batch_dims(node) and cop.kind != MUTATION:
+            reason = "depends only on parameters: recomputed every call (not precomputed yet); " + reason
+        report.unfused.append(Unfused(node.name, cop.op, reason, launches))
     report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
     report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
     return report
 
 
-def _reason(cop) -> str:
-    from fuser.canon import MUTATION, UNSUPPORTED
-
+def _reason(node: fx.Node, cops, covered: set) -> str:
+    cop = cops[node]
     if cop.kind == UNSUPPORTED:
         return f"no template lowers {cop.op}"
     if cop.kind == MUTATION:
         return "in-place write: kept in program order, never fused across"
-    return "alone between barriers: nothing to fuse it with"
+
+    def describe(n):
+        if n in covered:
+            return f"{n.name} (fused elsewhere)"
+        return f"{n.name} ({cops[n].kind if n in cops else n.op})"
+
+    around = [describe(n) for n in node.all_input_nodes if cops.get(n) and cops[n].kind != INPUT]
+    around += [describe(u) for u in node.users]
+    return "alone: its neighbours " + ", ".join(around[:4]) + (" ..." if len(around) > 4 else "") + " cannot share its kernel"
 
 
 def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
