@@ -252,12 +252,9 @@ class Canonicalizer:
                 low, high = None, params.get("min", params.get("max"))
             if isinstance(low, fx.Node) or isinstance(high, fx.Node):
                 return self._make(node, "clamp_tensor", UNSUPPORTED, tuple(tensors))
-            return self._make(node, "clamp", COMPUTE, (node.args[0],), {"min": low, "max": high})
+            return self._make(node, "clamp", COMPUTE, (node.args[0], low, high))
         if name == "softplus":
-            return self._make(
-                node, "softplus", COMPUTE, (node.args[0],),
-                {"beta": params.get("beta", 1.0), "threshold": params.get("threshold", 20.0)},
-            )  # fmt: skip
+            return self._make(node, "softplus", COMPUTE, (node.args[0], params.get("beta", 1.0), params.get("threshold", 20.0)))
         if params.get("dtype") is not None:
             return self._make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
         dims = _normalize_dims(params.get("dim"), rank)

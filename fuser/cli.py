@@ -78,7 +78,16 @@ def main(argv=None) -> int:
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     _use_interpreter_without_gpu()
-    return args.fn(args)
+    from fuser.api import FuserError
+    from fuser.emit import TemplateError
+    from fuser.pattern import PatternError
+    from fuser.trace import TraceRefused
+
+    try:
+        return args.fn(args)
+    except (FuserError, PatternError, TemplateError, TraceRefused) as e:
+        print(f"fuser: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -89,12 +89,12 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         tl_dtype=TL_DTYPES,
     )
     try:
-        source = template.render(**context)
+        return template.render(**context)
+    except jinja2.TemplateSyntaxError as e:  # in a parent template, loaded while rendering
+        raise TemplateError(f"{e.filename}:{e.lineno}: {e.message}") from None
     except jinja2.TemplateError as e:
-        line = _template_line(e, template)
-        raise TemplateError(f"{template.filename}:{line}: {type(e).__name__}: {e}") from None
-    context["params"] = spec.params
-    return source
+        filename, line = _template_location(e, template)
+        raise TemplateError(f"{filename}:{line}: {type(e).__name__}: {e}") from None
 
 
 class _Params(dict):
@@ -114,13 +114,14 @@ def _format_params(params: dict) -> _Params:
     return _Params({k: (repr(v) if isinstance(v, float) else v) for k, v in params.items()})
 
 
-def _template_line(error: Exception, template) -> int:
+def _template_location(error: Exception, template) -> tuple[str, int]:
+    """The template file and line a render error happened at (jinja maps its frames there)."""
     import traceback
 
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         if frame.filename.endswith(".jinja"):
-            return frame.lineno
-    return 1
+            return frame.filename, frame.lineno
+    return template.filename, 1
 
 
 def kernel_dir() -> Path:
@@ -153,12 +154,12 @@ def emit(spec: KernelSpec) -> tuple[Path, Callable]:
     stem, source = kernel_source(spec)
     path = kernel_dir() / f"{stem}.py"
     with _LOAD_LOCK:
-        if stem in _LOADED:
-            return path, _LOADED[stem]
         if not path.exists() or path.read_text() != source:
             with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
                 f.write(source)
             os.replace(f.name, path)
+        if stem in _LOADED:
+            return path, _LOADED[stem]
         module_spec = importlib.util.spec_from_file_location(f"fuser_kernels.{stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)

@@ -282,14 +282,14 @@ class _Lowerer:
         if op == "cast":
             return self.emit(node, a)
         if op == "clamp":
-            expr = a
-            if cop.attr("min") is not None:
-                expr = f"tl.maximum({expr}, {self.f32(cop.attr('min'))}, propagate_nan=tl.PropagateNan.ALL)"
-            if cop.attr("max") is not None:
-                expr = f"tl.minimum({expr}, {self.f32(cop.attr('max'))}, propagate_nan=tl.PropagateNan.ALL)"
+            expr, low, high = a, args[1], args[2]
+            if low is not None:
+                expr = f"tl.maximum({expr}, {self.f32(low)}, propagate_nan=tl.PropagateNan.ALL)"
+            if high is not None:
+                expr = f"tl.minimum({expr}, {self.f32(high)}, propagate_nan=tl.PropagateNan.ALL)"
             return self.emit(node, expr)
         if op == "softplus":
-            beta, threshold = float(cop.attr("beta")), float(cop.attr("threshold"))
+            beta, threshold = float(args[1]), float(args[2])
             scaled = f"({a} * {beta!r})"
             soft = f"tl.log(1.0 + tl.exp({scaled})) / {beta!r}"
             return self.emit(node, f"tl.where({scaled} > {threshold!r}, {a}, {soft})")

@@ -146,10 +146,23 @@ def _key_lines(path: Path, source: str) -> tuple[int, dict[str, int]]:
     return 1, {}
 
 
+_LOADED: dict[tuple, Pattern] = {}
+
+
 def load_pattern(path: str | os.PathLike, templates: set[str] | None = None) -> Pattern:
-    """Load one pattern file; a mistake raises :class:`PatternError` naming file and line."""
+    """Load one pattern file; a mistake raises :class:`PatternError` naming file and line.
+
+    A file loaded before and unchanged since gives the same Pattern (its traces stay cached).
+    """
     path = Path(path).resolve()
     source = path.read_text()
+    key = (path, source, frozenset(templates) if templates is not None else None)
+    if key not in _LOADED:
+        _LOADED[key] = _load_pattern(path, source, templates)
+    return _LOADED[key]
+
+
+def _load_pattern(path: Path, source: str, templates: set[str] | None) -> Pattern:
     try:
         pattern_line, key_lines = _key_lines(path, source)
     except SyntaxError as e:

@@ -305,7 +305,7 @@ class ShadowTracer(fx.Tracer):
         missing = [n for n, d in defaults.items() if d is inspect.Parameter.empty]
         if missing:
             raise ValueError(f"example_inputs give no value for forward parameters {missing}")
-        with _refuse_direct_kernel_launches(), warnings.catch_warnings():
+        with _refuse_direct_kernel_launches(), _refuse_module_rebinding(), warnings.catch_warnings():
             # fx warns that baked defaults get no runtime assertion; the splice's guard checks them.
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             return self.trace(root, concrete_args=defaults or None)
@@ -345,6 +345,28 @@ class _refuse_direct_kernel_launches:
     def __exit__(self, *exc):
         for cls, original in self._patched:
             cls.run = original
+        return False
+
+
+class _refuse_module_rebinding:
+    """While tracing, ``self.attr = <traced value>`` raises: the graph cannot rebind state."""
+
+    def __enter__(self):
+        self.original = original = torch.nn.Module.__setattr__
+
+        def guarded(module, name, value):
+            if isinstance(value, fx.Proxy):
+                raise refuse(
+                    f"assigning a traced value to module attribute {name!r} (the fused graph cannot rebind module state)",
+                    f"Write it in place (self.{name}.copy_(...)), or make this module an opaque leaf (@fuser.opaque).",
+                )
+            original(module, name, value)
+
+        torch.nn.Module.__setattr__ = guarded
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.__setattr__ = self.original
         return False
 
 
@@ -388,6 +410,11 @@ def trace(
     tensor input). Buffers the forward mutates are restored afterwards.
     """
     example_inputs = tuple(example_inputs)
+    if isinstance(module, torch.nn.Module) and "forward" in module.__dict__:
+        raise TraceRefused(
+            f"{type(module).__name__} has a forward set on the instance (a wrapper, or fuser's own); "
+            "fuser traces the class's forward and would drop it. Remove it (or fuser.restore()) first."
+        )
     names = list(inspect.signature(forward_of(module)).parameters)[: len(example_inputs)]
     if batch_inputs is None:
         batch_inputs = default_batch_inputs(names, example_inputs)

@@ -253,3 +253,35 @@ def test_check_reports_a_wrong_kernel_when_validation_is_off():
     # check() restores the module when done.
     assert not fuser.is_fused(m) and "forward" not in m.__dict__
 
+
+
+# ---------------------------------------------------------------------------------------------
+# A forward set on the instance (a wrapper or hook installed as ``module.forward``)
+# ---------------------------------------------------------------------------------------------
+
+
+class Sigmoid3(nn.Module):
+    def forward(self, x):
+        return (torch.sigmoid(x.float()) * 3).to(x.dtype)
+
+
+def with_instance_forward():
+    m = Sigmoid3()
+    class_forward = m.forward
+
+    def wrapped(x):
+        return class_forward(x) * 2
+
+    m.forward = wrapped
+    return m, wrapped
+
+
+def test_apply_refuses_an_instance_forward_and_leaves_it_in_place():
+    m, wrapped = with_instance_forward()
+    x = bf16(4, 32)
+    expected = m(x)
+    with pytest.raises(fuser.FuserError, match="forward set on the instance"):
+        fuser.apply(m, (x,))
+    assert m.__dict__["forward"] is wrapped
+    assert not fuser.is_fused(m)
+    assert torch.equal(m(x), expected)

@@ -1,0 +1,286 @@
+"""Pattern files and templates: a mistake is reported as ``file:line:``; user patterns are used."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+import fuser.emit
+from fuser.lower import Operand
+from fuser.pattern import load_pattern, load_patterns
+
+GOOD = '''\
+"""A fine pattern."""
+import torch
+from fuser.pattern import Param, tensor
+
+
+def reference(x, weight, eps=Param(1e-6)):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+PATTERN = dict(
+    template="row_reduce",
+    inputs=dict(
+        x=tensor("T, N", "bfloat16 float32"),
+        weight=tensor("N", "bfloat16 float32"),
+    ),
+    example=dict(N=32),
+)
+'''
+
+
+def write(tmp_path: Path, name: str, source: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def line_with(path: Path, needle: str) -> int:
+    hits = [i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line]
+    assert len(hits) == 1, f"{needle!r} appears on lines {hits} of {path}"
+    return hits[0]
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(fuser.PatternError) as excinfo:
+        load_pattern(path, fuser.emit.template_names())
+    return str(excinfo.value)
+
+
+def assert_located(message: str, path: Path, line: int):
+    prefix = f"{path.resolve()}:{line}:"
+    assert message.startswith(prefix), f"expected the message to start with {prefix!r}: {message!r}"
+
+
+def test_the_good_pattern_loads(tmp_path):
+    p = load_pattern(write(tmp_path, "good_norm", GOOD), fuser.emit.template_names())
+    assert p.name == "good_norm"
+    assert p.template == "row_reduce"
+    assert list(p.inputs) == ["x", "weight"]
+    assert p.params == {"eps": 1e-6}
+    assert p.description == "A fine pattern."
+
+
+def test_syntax_error(tmp_path):
+    path = write(tmp_path, "syntax", GOOD.replace("    xf = x.float()\n", "    xf = x.float(\n"))
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "xf = x.float("))
+    assert "syntax error" in message
+
+
+@pytest.mark.parametrize("form", ["call", "literal"])
+def test_unknown_pattern_key(tmp_path, form):
+    source = GOOD.replace("    example=dict(N=32),\n", "    example=dict(N=32),\n    exampel=dict(N=32),\n")
+    if form == "literal":
+        source = source.replace("PATTERN = dict(\n", "PATTERN = {\n").replace(
+            '    template="row_reduce",', '    "template": "row_reduce",'
+        )
+        source = source.replace("    inputs=dict(\n", '    "inputs": dict(\n').replace("    example=dict(N=32),", '    "example": dict(N=32),')
+        source = source.replace("    exampel=dict(N=32),", '    "exampel": dict(N=32),').replace("\n)\n", "\n}\n")
+    path = write(tmp_path, f"key_{form}", source)
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "exampel"))
+    assert "'exampel'" in message
+
+
+def test_unknown_template(tmp_path):
+    path = write(tmp_path, "tmpl", GOOD.replace('template="row_reduce"', 'template="row_reduction"'))
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "template="))
+    assert "row_reduction" in message
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        pytest.param('x=tensor("T, N", "float32"), w=tensor("N", "float32")', id="wrong-name"),
+        pytest.param('x=tensor("T, N", "float32")', id="missing"),
+        pytest.param('weight=tensor("N", "float32"), x=tensor("T, N", "float32")', id="order"),
+        pytest.param('x=tensor("T, N", "float32"), weight=tensor("N", "float32"), eps=tensor("1", "float32")', id="param"),
+    ],
+)
+def test_inputs_must_name_the_reference_tensor_arguments(tmp_path, inputs):
+    source = GOOD.replace(
+        '    inputs=dict(\n        x=tensor("T, N", "bfloat16 float32"),\n        weight=tensor("N", "bfloat16 float32"),\n    ),\n',
+        f"    inputs=dict({inputs}),\n",
+    )
+    assert source != GOOD
+    path = write(tmp_path, "inputs", source)
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "inputs="))
+    assert "['x', 'weight']" in message
+
+
+def test_missing_reference(tmp_path):
+    path = write(tmp_path, "noref", GOOD.replace("def reference(", "def referenc("))
+    message = load_error(path)
+    assert_located(message, path, 1)
+    assert "reference" in message
+
+
+def test_missing_pattern(tmp_path):
+    path = write(tmp_path, "nodecl", GOOD.replace("PATTERN = dict(", "PATTERNS = dict("))
+    message = load_error(path)
+    assert "PATTERN" in message
+    assert message.startswith(f"{path.resolve()}:")
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        pytest.param('raise RuntimeError("broken on purpose")', id="raise"),
+        pytest.param('BAD = torch.zeros("not a size")', id="in-a-library-call"),
+        pytest.param('BAD = tensor("T, N", "float33")', id="bad-dtype"),
+    ],
+)
+def test_exception_at_import(tmp_path, statement):
+    source = GOOD.replace("\n\ndef reference(", f"\n{statement}  # HERE\n\n\ndef reference(")
+    path = write(tmp_path, "boom", source)
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "# HERE"))
+
+
+def test_exception_in_a_helper_points_at_the_raise(tmp_path):
+    source = GOOD.replace(
+        "\n\ndef reference(",
+        '\n\ndef helper():\n    raise ValueError("from a helper")  # RAISE\n\n\nX = helper()\n\n\ndef reference(',
+    )
+    path = write(tmp_path, "helper", source)
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "# RAISE"))
+    assert "ValueError: from a helper" in message
+
+
+def test_load_patterns_names_a_missing_file(tmp_path):
+    with pytest.raises(fuser.PatternError, match="no_such_pattern.py"):
+        load_patterns([tmp_path / "no_such_pattern.py"], fuser.emit.template_names())
+
+
+# ---------------------------------------------------------------------------------------------
+# A user pattern passed to apply
+# ---------------------------------------------------------------------------------------------
+
+USER_PATTERN = '''\
+"""Sigmoid of a scaled input in fp32, cast back."""
+import torch
+from fuser.pattern import Param, tensor
+
+
+def reference(x, scale=Param(2.0)):
+    return torch.sigmoid(x.float() * scale).to(x.dtype)
+
+
+PATTERN = dict(
+    template="pointwise",
+    inputs=dict(x=tensor("T, N", "bfloat16 float32")),
+    example=dict(N=32),
+)
+'''
+
+
+class ScaledSigmoid(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x.float() * 2.0).to(x.dtype)
+
+
+def test_user_pattern_is_used_by_apply(tmp_path):
+    path = write(tmp_path, "scaled_sigmoid", USER_PATTERN)
+    m = ScaledSigmoid()
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    report = fuser.apply(m, (x,), patterns=[path])
+    try:
+        assert [c.pattern for c in report.chains] == ["scaled_sigmoid"], report.text()
+        (chain,) = report.chains
+        assert chain.template == "pointwise"
+        assert chain.params == {"scale": 2.0}
+        assert "scaled_sigmoid" in report.text()
+        y = torch.randn(9, 32).to(torch.bfloat16)
+        torch.testing.assert_close(m(y), ScaledSigmoid()(y), rtol=2**-7, atol=1e-2)
+    finally:
+        fuser.restore(m)
+
+
+def test_apply_with_a_malformed_user_pattern_fails_cleanly(tmp_path):
+    path = write(tmp_path, "broken_user", USER_PATTERN.replace('template="pointwise"', 'template="nope"'))
+    m = ScaledSigmoid()
+    with pytest.raises(fuser.FuserError) as excinfo:
+        fuser.apply(m, (torch.randn(5, 32).to(torch.bfloat16),), patterns=[path])
+    assert isinstance(excinfo.value.__cause__, fuser.PatternError)
+    assert f"{path.resolve()}:{line_with(path, 'template=')}:" in str(excinfo.value)
+    assert not fuser.is_fused(m) and "forward" not in m.__dict__
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def templates(tmp_path, monkeypatch):
+    """fuser.emit reading its templates from a temporary directory."""
+    directory = tmp_path / "templates"
+    directory.mkdir()
+    monkeypatch.setattr(fuser.emit, "templates_dir", lambda: directory)
+    monkeypatch.setattr(fuser.emit, "_ENV", None)
+
+    def add(name: str, source: str) -> Path:
+        path = directory / f"{name}.py.jinja"
+        path.write_text(source)
+        return path
+
+    return add
+
+
+def spec(template: str) -> fuser.emit.KernelSpec:
+    x = Operand("in0", "x", (8,), torch.float32, True)
+    y = Operand("out0", "y", (8,), torch.float32, True)
+    return fuser.emit.KernelSpec(template, "somepattern", [x], [y], {"eps": 1e-6})
+
+
+def template_error(template: str) -> str:
+    with pytest.raises(fuser.emit.TemplateError) as excinfo:
+        fuser.emit.render(spec(template), "k")
+    return str(excinfo.value)
+
+
+def test_template_syntax_error_names_file_and_line(templates):
+    path = templates("broken", "# line 1\n# line 2\n{{ pattern + }}\n# line 4\n")
+    assert "broken" in fuser.emit.template_names()
+    message = template_error("broken")
+    assert message.startswith(f"{path}:3:"), message
+
+
+def test_template_undefined_variable_names_file_and_line(templates):
+    path = templates("undef", "# {{ pattern }}\n# {{ params }}\n\n{{ no_such_variable }}\n")
+    message = template_error("undef")
+    assert message.startswith(f"{path}:4:"), message
+    assert "no_such_variable" in message
+
+
+def test_a_good_template_renders(templates):
+    templates("fine", "# {{ template }} {{ pattern }} {{ params }}\n# {{ kernel_name }} {{ row_source }}\n")
+    assert fuser.emit.render(spec("fine"), "kern") == "# fine somepattern eps=1e-06\n# kern in0\n"
+
+
+def test_unknown_template_is_a_template_error(templates):
+    with pytest.raises(fuser.emit.TemplateError, match="no_such_template"):
+        fuser.emit.render(spec("no_such_template"), "k")
+
+
+@pytest.mark.parametrize(
+    "base_source, line",
+    [
+        pytest.param("# base\n{% if %}\n", 2, id="syntax"),
+        pytest.param("# base\n# more\n{{ no_such_variable }}\n", 3, id="undefined"),
+    ],
+)
+def test_error_in_an_extended_template_names_the_parent_file(templates, base_source, line):
+    base = templates("_base", base_source)
+    templates("child", '{% extends "_base.py.jinja" %}\n')
+    message = template_error("child")
+    assert message.startswith(f"{base}:{line}:"), message
