@@ -74,6 +74,8 @@ _VIEW_METHODS = {
     "permute", "transpose", "t", "narrow", "view_as", "reshape_as", "movedim", "select",
 }  # fmt: skip
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)
+# Reinterpretations that launch nothing in eager (they return views).
+_FREE_VIEWS = {"view_as_complex", "view_as_real", "conj", "real", "imag"}
 _CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
 _TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
 
@@ -172,6 +174,8 @@ class Canonicalizer:
         if node.op == "call_method" and target in HEAVY_METHODS:
             return self._make(node, target, HEAVY, _tensor_args(node))
         name = op_name(node)
+        if name in _FREE_VIEWS and self._aliases(node):
+            return self._make(node, name, VIEW, _tensor_args(node))
         if value.dtype not in _KERNEL_DTYPES and not (node.op == "call_function" and target is operator.getitem):
             if name not in _VIEW_METHODS:
                 return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
@@ -185,6 +189,13 @@ class Canonicalizer:
         if name in ELEMENTWISE or name in REDUCTIONS or name in ("softmax", "log_softmax"):
             return self._compute(node, name)
         return self._make(node, name, UNSUPPORTED, _tensor_args(node))
+
+    def _aliases(self, node) -> bool:
+        """Does the node's value share storage with its first argument's?"""
+        src = node.args[0] if node.args else None
+        if not isinstance(src, fx.Node) or not isinstance(self.value(src), torch.Tensor):
+            return False
+        return self.value(node).untyped_storage().data_ptr() == self.value(src).untyped_storage().data_ptr()
 
     def _cast_or_copy(self, node):
         src = node.args[0]

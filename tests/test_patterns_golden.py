@@ -47,11 +47,12 @@ FP32_NOT_MATCHED = pytest.mark.xfail(
     raises=NotClaimed,
     strict=True,
     reason="fp32 inputs never match: the loose round traces the reference at the first declared dtype "
-    "(bf16), where x.float()/.to(x.dtype) are casts; on fp32 inputs they are no-ops, so the anchor "
-    "op differs and the chain falls to the generic fallback without a rejection",
+    "(bf16), where its casts (x.float(), .to(x.dtype)) are real; on fp32 inputs they are no-ops, so "
+    "the anchor op differs and the chain falls to the generic fallback without a rejection",
 )
 ADD_RMSNORM_BF16_INTERPRETED = pytest.mark.xfail(
     INTERPRETED,
+    raises=NotClaimed,
     strict=True,
     reason="in Triton's interpreter fp32->bf16 casts truncate; add_rmsnorm rounds twice (h, then the "
     "output), which exceeds KERNEL's bf16 tolerance, so apply() rejects the kernel at validation "
