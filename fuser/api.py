@@ -213,6 +213,11 @@ def _reason(node: fx.Node, cops, covered: set) -> str:
 
 def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
     """Fuse ``module``'s glue in place. On any error the module is left exactly as it was."""
+    return apply_plan(module, example_inputs, **options).report
+
+
+def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
+    """:func:`apply`, returning the whole plan (kernels, graph, report)."""
     if is_fused(module):
         raise FuserError(f"{type(module).__name__} is already fused; call fuser.restore() first")
     with preserved_state(module, example_inputs):
@@ -221,7 +226,7 @@ def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
         except Exception as e:
             raise FuserError(f"fuser.apply left {type(module).__name__} unchanged: {e}") from e
     install(module, p.forward, p.guard, p.report)
-    return p.report
+    return p
 
 
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:

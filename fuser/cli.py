@@ -63,6 +63,18 @@ def cmd_check(args) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_bench(args) -> int:
+    from fuser import bench
+
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    variants = tuple(args.variants.split(","))
+    result = bench.run(load_factory(args.target), args.target, tokens, variants)
+    paths = bench.write(result, Path(args.out), args.name)
+    print(result.markdown())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fuser", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +88,13 @@ def main(argv=None) -> int:
         p.add_argument("--leaf", action="append", help="a submodule name to keep opaque (repeatable)")
         p.add_argument("--patterns", action="append", help="an extra pattern file or directory (repeatable)")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("bench", help="eager vs torch.compile vs fuser on the GPU, each replayed in a CUDA graph")
+    p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
+    p.add_argument("--tokens", default="1,8,32,128,512", help="token counts (comma-separated)")
+    p.add_argument("--variants", default="eager,compile,fuser")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the .json and .md results")
+    p.add_argument("--name", default="bench", help="file name stem of the results")
+    p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     _use_interpreter_without_gpu()
     from fuser.api import FuserError

@@ -50,6 +50,19 @@ _BINARY = {
 SUPPORTED_OPS = set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
 
 
+def _inserted_axes(src: tuple, dst: tuple) -> list[int] | None:
+    """The axes (in order) where ``dst`` is ``src`` with size-1 dims inserted, else None."""
+    axes, i = [], 0
+    for axis, size in enumerate(dst):
+        if i < len(src) and src[i] == size:
+            i += 1
+        elif size == 1:
+            axes.append(axis)
+        else:
+            return None
+    return axes if i == len(src) else None
+
+
 def pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -298,6 +311,11 @@ class _Lowerer:
             if op == "expand":
                 return self.emit(node, f"tl.broadcast_to({src}, {self.padded(node)})", layout_only=True)
             if self.padded(node) == self.padded(args[0]):
+                return self.emit(node, src, layout_only=True)
+            inserted = _inserted_axes(self.block_shape(args[0]), self.block_shape(node))
+            if inserted is not None:  # unsqueeze: a broadcast, no data movement (tl.reshape may shuffle)
+                for axis in inserted:
+                    src = f"tl.expand_dims({src}, {axis})"
                 return self.emit(node, src, layout_only=True)
             return self.emit(node, f"tl.reshape({src}, {self.padded(node) or (1,)})", layout_only=True)
         if op in REDUCTIONS or op == "softmax":

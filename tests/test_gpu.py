@@ -42,7 +42,7 @@ def test_tiny_layer_fused_matches_eager_on_gpu(factory, T):
 def test_one_trace_serves_every_token_count_on_gpu():
     module, inputs = dsv4.tiny(T=8, device="cuda")
     fuser.apply(module, inputs)
-    for T in (1, 2, 5, 33):
+    for T in (1, 2, 5, 40):
         other, other_inputs = dsv4.tiny(T=T, device="cuda")
         _, fused_inputs = dsv4.tiny(T=T, device="cuda")
         for (_, mine), (_, theirs) in zip(module.named_buffers(), other.named_buffers()):

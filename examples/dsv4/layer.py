@@ -96,7 +96,7 @@ TINY = DSV4Config(
     num_experts_per_tok=6,
     moe_intermediate_size=32,
     window_size=8,
-    max_requests=32,
+    max_requests=256,
     max_position=64,
     vocab_size=256,
 )

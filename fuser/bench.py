@@ -1,0 +1,280 @@
+"""bench: a layer in three variants — eager, torch.compile, fuser — each captured in a CUDA
+graph the way sglang captures decode and replayed, side by side in one run.
+
+For each variant and token count T it reports the whole-layer replay time, the glue kernels
+per layer and their GPU time, and torch.compile's compile time; for fuser's largest kernels,
+the bandwidth they reach against a copy measured in the same run.
+
+Telling glue from heavy kernels: one eager (non-graph) forward runs with a marker kernel
+(``torch.cuda._sleep``) launched before and after every opaque leaf; kernels between markers
+belong to a leaf, GEMM kernels are known by name, the rest is glue. Graph replay runs the same
+kernels in the same order, so the replay's kernels take their class by position.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fuser.capture import capture_decode, replay_time_us
+from fuser.opaque import is_opaque
+
+HEAVY_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "sm90_", "matmul", "cijk")
+MARKER = "spin"
+
+
+@dataclass
+class Row:
+    variant: str
+    tokens: int
+    layer_us: float
+    glue_launches: int
+    glue_us: float
+    heavy_launches: int
+    compile_s: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Bandwidth:
+    kernel: str
+    tokens: int
+    bytes: int
+    us: float
+    gbps: float
+    fraction_of_copy: float
+
+
+@dataclass
+class BenchResult:
+    target: str
+    stamp: dict
+    copy_gbps: float
+    rows: list[Row] = field(default_factory=list)
+    bandwidth: list[Bandwidth] = field(default_factory=list)
+    fuser_report: dict = field(default_factory=dict)
+
+    def json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+    def markdown(self) -> str:
+        s = self.stamp
+        lines = [
+            f"# fuser bench: {self.target}",
+            "",
+            f"{s['gpu']}, torch {s['torch']}, triton {s['triton']}, commit {s['commit']}, {s['date']}",
+            "",
+            "Each variant captured in a CUDA graph (sglang's protocol: two warm-ups on a side stream,",
+            "shared pool) and replayed; times are per layer per decode step.",
+            "",
+            "| T | variant | layer µs | glue launches | glue µs | heavy launches | compile s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            compile_s = f"{r.compile_s:.1f}" if r.compile_s is not None else "-"
+            lines.append(
+                f"| {r.tokens} | {r.variant} | {r.layer_us:.1f} | {r.glue_launches} | {r.glue_us:.1f} | "
+                f"{r.heavy_launches} | {compile_s} |" + (f" {r.note}" if r.note else "")
+            )
+        lines += ["", f"Copy bandwidth (same run): {self.copy_gbps:.0f} GB/s (bytes read + written).", ""]
+        if self.bandwidth:
+            lines += ["| fused kernel | T | MB moved | µs | GB/s | of copy |", "|---|---|---|---|---|---|"]
+            for b in self.bandwidth:
+                lines.append(
+                    f"| {b.kernel} | {b.tokens} | {b.bytes / 1e6:.2f} | {b.us:.1f} | {b.gbps:.0f} | {b.fraction_of_copy:.0%} |"
+                )
+        return "\n".join(lines) + "\n"
+
+
+def stamp() -> dict:
+    import os
+
+    import triton
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit or os.environ.get("FUSER_COMMIT", "unknown"),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def copy_bandwidth_gbps(gib: float = 2.0) -> float:
+    """Device-to-device copy, bytes read + written per second (mean of 10 after 3 warm-ups)."""
+    n = int(gib * 2**30 // 2)
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 10
+    del a, b
+    return 2 * n * 2 / seconds / 1e9
+
+
+def _kernels(prof) -> list[tuple[str, float]]:
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.end - e.time_range.start) for e in events]
+
+
+def _with_leaf_markers(module: torch.nn.Module):
+    """Hooks that launch a marker kernel around every opaque leaf; returns their handles."""
+    handles = []
+    for m in module.modules():
+        if is_opaque(type(m)):
+            handles.append(m.register_forward_pre_hook(lambda *_: torch.cuda._sleep(1)))
+            handles.append(m.register_forward_hook(lambda *_: torch.cuda._sleep(1)))
+    return handles
+
+
+def kernel_classes(forward: Callable, inputs: tuple, module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(kernel name, 'glue' | 'heavy') for one eager forward, in launch order."""
+    handles = _with_leaf_markers(module)
+    try:
+        with torch.no_grad():
+            forward(*inputs)  # warm
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                forward(*inputs)
+                torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    classes, inside_leaf = [], False
+    for name, _ in _kernels(prof):
+        if MARKER in name.lower():
+            inside_leaf = not inside_leaf
+            continue
+        heavy = inside_leaf or any(k in name.lower() for k in HEAVY_NAMES)
+        classes.append((name, "heavy" if heavy else "glue"))
+    return classes
+
+
+def profile_replay(graph, classes: list[tuple[str, str]], replays: int = 5):
+    """(glue launches, glue µs, heavy launches) per replay, classes taken by position."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = _kernels(prof)
+    per = len(kernels) // replays
+    one = kernels[:per]
+    note = ""
+    if per != len(classes):  # same count: same launches in the same order (GEMM names may differ)
+        note = f"replay has {per} kernels, eager {len(classes)}: classes by name"
+        by_name = dict(classes)
+        labels = [by_name.get(n, "glue") for n, _ in one]
+    else:
+        labels = [c for _, c in classes]
+    glue = [(n, d) for (n, d), c in zip(one, labels) if c == "glue"]
+    totals: dict[str, list[float]] = {}
+    for name, d in kernels:
+        totals.setdefault(name, []).append(d)
+    return len(glue), sum(d for _, d in glue), per - len(glue), note, totals
+
+
+def _opaque_for_dynamo(module: torch.nn.Module):
+    """Keep leaves out of torch.compile too, so both variants run the same leaves eagerly."""
+    for m in module.modules():
+        if is_opaque(type(m)):
+            m.forward = torch._dynamo.disable(m.forward)
+
+
+def run(factory: Callable, target: str, tokens=(1, 8, 32, 128, 512), variants=("eager", "compile", "fuser")) -> BenchResult:
+    import fuser
+
+    result = BenchResult(target=target, stamp=stamp(), copy_gbps=copy_bandwidth_gbps())
+    eager_module, _ = factory(T=tokens[0], device="cuda")
+    fused_module, fused_inputs = factory(T=tokens[0], device="cuda")
+    plan = fuser.api.apply_plan(fused_module, fused_inputs)  # one trace serves every T below
+    result.fuser_report = plan.report.to_json()
+    compiled = None
+    if "compile" in variants:
+        compile_module, _ = factory(T=tokens[0], device="cuda")
+        _opaque_for_dynamo(compile_module)
+        compiled = torch.compile(compile_module, dynamic=False)
+    forwards = {"eager": eager_module, "compile": compiled, "fuser": fused_module}
+    for T in tokens:
+        _, inputs = factory(T=T, device="cuda")
+        torch.cuda.empty_cache()
+        for variant in variants:
+            forward = forwards[variant]
+            compile_s = None
+            if variant == "compile":
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                with torch.no_grad():
+                    forward(*inputs)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - started
+            capture = capture_decode(forward, lambda bs: inputs, [T], variant=variant)
+            if T not in capture.graphs:
+                result.rows.append(Row(variant, T, math.nan, 0, math.nan, 0, compile_s, f"capture failed: {capture.failed.get(T)}"))
+                continue
+            graph = capture.graphs[T].graph
+            layer_us = replay_time_us(graph)
+            classes = kernel_classes(forward, inputs, compile_module if variant == "compile" else forward)
+            glue_n, glue_us, heavy_n, note, totals = profile_replay(graph, classes)
+            result.rows.append(Row(variant, T, layer_us, glue_n, glue_us, heavy_n, compile_s, note))
+            if variant == "fuser" and T == max(tokens):
+                result.bandwidth = _bandwidth(plan, totals, T, result.copy_gbps)
+            del capture, graph
+    return result
+
+
+def _bandwidth(plan, totals: dict, T: int, copy_gbps: float, top: int = 3) -> list[Bandwidth]:
+    """Bytes each fused kernel reads and writes at T tokens, over its measured time."""
+    rows = []
+    for kernel in plan.kernels:
+        name = f"{kernel.path.stem}_kernel"
+        if name not in totals:
+            continue
+        region = kernel.region
+        moved = 0
+        for node in list(region.inputs) + list(region.outputs):
+            value = plan.traced.value(node)
+            per_row = value[0].numel() if plan.traced.batch_dims(node) else None
+            moved += (per_row * T if per_row is not None else value.numel()) * value.element_size()
+        us = sum(totals[name]) / len(totals[name])
+        gbps = moved / (us * 1e-6) / 1e9
+        rows.append(Bandwidth(kernel.path.stem, T, moved, us, gbps, gbps / copy_gbps))
+    rows.sort(key=lambda b: -b.us)
+    seen, unique = set(), []
+    for b in rows:
+        if b.kernel not in seen:
+            seen.add(b.kernel)
+            unique.append(b)
+    return unique[:top]
+
+
+def write(result: BenchResult, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(result.json())
+    paths[1].write_text(result.markdown())
+    return paths
