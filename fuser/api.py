@@ -152,15 +152,16 @@ def plan(
             region = kernel.region
             failed.update({n: "no valid place to run it once other kernels were dropped" for n in region.nodes})
     regions = [k.region for k in kernels]
-    graph = rewrite_graph(traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)})
+    graph, survivors = rewrite_graph(traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)})
     forward = compile_forward(graph, module)
-    report = _report(module, traced, cops, kernels, rejected, failed)
+    report = _report(module, traced, cops, kernels, rejected, failed, survivors)
     return Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
 
 
-def _report(module, traced, cops, kernels, rejected, failed) -> Report:
-    covered = set().union(*(k.region.covered for k in kernels)) if kernels else set()
+def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:
     glue = [n for n in traced.graph.nodes if n in cops and is_glue(cops[n])]
+    # Fused: replaced by a kernel, or computed again inside the kernels that read it.
+    covered = {n for n in glue if n not in survivors}
     report = Report(module=type(module).__name__, rejected=rejected)
     report.glue_nodes_before = len(glue)
     report.launches_before = sum(eager_launches(cops[n]) for n in glue)

@@ -73,9 +73,12 @@ _VIEW_METHODS = {
     "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
     "permute", "transpose", "t", "narrow", "view_as", "reshape_as", "movedim", "select",
 }  # fmt: skip
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)
-# Reinterpretations that launch nothing in eager (they return views).
-_FREE_VIEWS = {"view_as_complex", "view_as_real", "conj", "real", "imag"}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.complex64)
+# Reinterpretations that launch nothing in eager (they return views); in a kernel they split a
+# trailing pair of floats into a complex value's (re, im), join it back, or negate im.
+_PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
+# What a kernel computes on complex64 values (RoPE needs no more).
+_COMPLEX_OPS = {"mul", "add", "sub", "neg", "cat"}
 _CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
 _TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
 
@@ -174,10 +177,12 @@ class Canonicalizer:
         if node.op == "call_method" and target in HEAVY_METHODS:
             return self._make(node, target, HEAVY, _tensor_args(node))
         name = op_name(node)
-        if name in _FREE_VIEWS and self._aliases(node):
-            return self._make(node, name, VIEW, _tensor_args(node))
-        if value.dtype not in _KERNEL_DTYPES and not (node.op == "call_function" and target is operator.getitem):
-            if name not in _VIEW_METHODS:
+        if name in _PAIR_VIEWS and self._aliases(node):
+            return self._make(node, name, UNIT_VIEW, _tensor_args(node))
+        is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
+        complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
+        if value.dtype not in _KERNEL_DTYPES or (value.dtype.is_complex and not complex_ok):
+            if not is_view:
                 return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
         if name.endswith("_") and not name.startswith("_") or node.kwargs.get("out") is not None:
             return self._make(node, name, MUTATION, _tensor_args(node))
@@ -186,6 +191,8 @@ class Canonicalizer:
             return self._cast_or_copy(node)
         if name in _VIEW_METHODS or target is operator.getitem or name in ("chunk", "split"):
             return self._view(node)
+        if name == "cat":
+            return self._cat(node)
         if name in ELEMENTWISE or name in REDUCTIONS or name in ("softmax", "log_softmax"):
             return self._compute(node, name)
         return self._make(node, name, UNSUPPORTED, _tensor_args(node))
@@ -222,9 +229,23 @@ class Canonicalizer:
         if node.target is operator.getitem and isinstance(self.value(src), torch.Tensor):
             index = node.args[1]
             index = index if isinstance(index, tuple) else (index,)
+            if len(index) == 1 and self._row_gather(src, index[0]):
+                return self._make(node, "gather_rows", COMPUTE, (src, index[0]))
             if any(isinstance(i, fx.Node) or isinstance(i, torch.Tensor) for i in index):
                 return self._make(node, "index", UNSUPPORTED, (src,) + tuple(i for i in index if isinstance(i, fx.Node)))
         return self._view_of(node, src)
+
+    def _row_gather(self, table, index) -> bool:
+        """``table[index]``: one row of a token-independent table per token (an embedding lookup)."""
+        if not isinstance(index, fx.Node) or self.batch_dims(table):
+            return False
+        idx = self.value(index)
+        return (
+            isinstance(idx, torch.Tensor)
+            and idx.dim() == 1
+            and not idx.is_floating_point()
+            and self.batch_dims(index) == (0,)
+        )
 
     def _view_of(self, node, src, covers=()):
         out, inp = self.value(node), self.value(src)
@@ -235,11 +256,21 @@ class Canonicalizer:
             return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
         if op_name(node) in ("expand", "expand_as"):
             return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
+        if out.numel() == inp.numel() and _register_reshape(self.static_shape(src), shape):
+            return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
         return self._make(
             node, "view", VIEW, (src,),
             {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
             covers,
         )  # fmt: skip
+
+    def _cat(self, node):
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        rank = self.value(node).dim()
+        if not all(isinstance(p, fx.Node) for p in parts) or dim % rank != rank - 1:
+            return self._make(node, "cat", UNSUPPORTED, tuple(p for p in parts if isinstance(p, fx.Node)))
+        return self._make(node, "cat", COMPUTE, tuple(parts), {"dim": rank - 1})
 
     def _compute(self, node, name):
         tensors = [a for a in node.args if isinstance(a, fx.Node)]
@@ -307,6 +338,16 @@ class Canonicalizer:
                 if n and abs(factor - n) <= 1e-9 * n and not set(inner.attr("dim")) & set(self.batch_dims(inner.args[0])):
                     return COp("mean", COMPUTE, inner.args, inner.attrs, cop.covers + inner.covers)
         return cop
+
+
+def _register_reshape(src: tuple, dst: tuple) -> bool:
+    """A reshape a kernel can do in registers: equal leading dims, then powers of two only."""
+    p = 0
+    while p < min(len(src), len(dst)) and src[p] == dst[p]:
+        p += 1
+    tail_src, tail_dst = src[p:], dst[p:]
+    pow2 = all(s > 0 and s & (s - 1) == 0 for s in tail_src + tail_dst)
+    return bool(tail_src or tail_dst) and pow2 and math.prod(tail_src) == math.prod(tail_dst)
 
 
 def _tensor_args(node: fx.Node) -> tuple:

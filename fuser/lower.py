@@ -47,7 +47,10 @@ _BINARY = {
     "gt": "{a} > {b}", "ge": "{a} >= {b}",
 }  # fmt: skip
 
-SUPPORTED_OPS = set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
+# Ops that need the whole block of the last axis in one program.
+_WHOLE_BLOCK_OPS = {"view_as_complex", "view_as_real", "conj", "cat", "gather_rows"}
+
+SUPPORTED_OPS = _WHOLE_BLOCK_OPS | set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
 
 
 def _inserted_axes(src: tuple, dst: tuple) -> list[int] | None:
@@ -78,9 +81,15 @@ class Operand:
     has_rows: bool
 
     @property
+    def complex(self) -> bool:
+        """complex64: the kernel sees it as float pairs (an extra trailing dim of 2)."""
+        return self.dtype.is_complex
+
+    @property
     def stride_args(self) -> list[str]:
+        dims = len(self.shape) + (1 if self.complex else 0)
         return ([f"{self.name}_stride_row"] if self.has_rows else []) + [
-            f"{self.name}_stride_{i}" for i in range(len(self.shape))
+            f"{self.name}_stride_{i}" for i in range(dims)
         ]
 
 
@@ -100,6 +109,23 @@ class RowProgram:
         return next(op.name for op in self.inputs if op.has_rows)
 
 
+@dataclass
+class Segments:
+    """A value concatenated along its last axis: (column offset, expression, width) parts."""
+
+    parts: list[tuple[int, str, int]]
+
+
+def _expand(base: str, axis: int, rank: int) -> str:
+    if rank == 1:
+        return base
+    return f"{base}[{', '.join(':' if i == axis else 'None' for i in range(rank))}]"
+
+
+def _pair_index(rank: int) -> str:
+    return _expand("tl.arange(0, 2)", rank - 1, rank)
+
+
 class _Lowerer:
     def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs):
         self.traced, self.cops = traced, cops
@@ -108,6 +134,12 @@ class _Lowerer:
         self.shapes: dict[fx.Node, tuple[int, ...]] = {}
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
+        # Inputs read only through a row gather (a table and its indices) are never loaded whole.
+        self.gathered = {
+            n for n in self.inputs
+            if n.users and all(self.cops.get(u) and self.cops[u].op == "gather_rows" for u in n.users if u in self.nodes)
+            and any(self.cops.get(u) and self.cops[u].op == "gather_rows" for u in n.users if u in self.nodes)
+        }
         self._check_rows()
         self.tiled, self.last = self._tiling()
         self.block_last = 1
@@ -124,7 +156,7 @@ class _Lowerer:
                 raise LoweringError(f"`{node.name}` has its token dim at {batch}, not first")
             if batch:
                 rows.add((value.shape[0], self.traced.shadows[node.name][1].shape[0]))
-            if value.dtype not in TL_DTYPES:
+            if value.dtype not in TL_DTYPES and not value.dtype.is_complex and node not in self.gathered:
                 raise LoweringError(f"`{node.name}` is {value.dtype}; row programs take {list(TL_DTYPES)}")
         if len(rows) > 1:
             raise LoweringError(f"values with different token counts {sorted(rows)} in one chain")
@@ -152,6 +184,11 @@ class _Lowerer:
         if not all(outs) or len({s[-1] for s in outs}) != 1 or outs[0][-1] <= 1:
             return False, 1
         last = outs[0][-1]
+        for node in self.nodes:
+            cop = self.cops[node]
+            regrouped = cop.op == "reshape" and _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node)) is None
+            if cop.op in _WHOLE_BLOCK_OPS or regrouped or self.traced.value(node).dtype.is_complex:
+                return False, 1
         axis: dict[fx.Node, int | None] = {n: len(shape) - 1 for n, shape in zip(self.outputs, outs)}
         for node in reversed(self.nodes):
             mine = axis.setdefault(node, None)
@@ -249,31 +286,64 @@ class _Lowerer:
         self.shapes[node] = self.block_shape(node)
         self.dtypes[node] = dtype
 
-    def load(self, operand: Operand, node: fx.Node):
+    def load(self, operand: Operand, node: fx.Node, row: str = "row"):
+        if node in self.gathered:
+            return
         shape = operand.shape
-        rank = len(shape)
+        rank = len(shape) + (1 if operand.complex else 0)
         terms = [f"{operand.name}_ptr"]
         if operand.has_rows:
-            terms.append(f"row * {operand.name}_stride_row")
-        for axis in range(rank):
+            terms.append(f"{row} * {operand.name}_stride_row")
+        for axis in range(len(shape)):
             terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
+        if operand.complex:
+            terms.append(f"{_pair_index(rank)} * {operand.name}_stride_{len(shape)}")
         mask = self.mask(node)
+        if mask and operand.complex:
+            mask = f"({mask})[..., None]" if len(shape) else None
         extra = f", mask={mask}, other=0.0" if mask else ""
         name = self.fresh(node, "in")
         self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
-        self.shapes[node] = shape
+        self._finish_pair_load(node, name, operand)
+
+    def _finish_pair_load(self, node, name, operand):
+        self.shapes[node] = operand.shape
         self.dtypes[node] = operand.dtype
+        if operand.complex:
+            self.lines.append(f"{name}_re, {name}_im = tl.split({name})")
+            self.names[node] = (f"{name}_re", f"{name}_im")
 
     def store(self, operand: Operand, node: fx.Node):
-        shape = operand.shape
-        rank = len(shape)
-        terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
-        for axis in range(rank):
-            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
         value = self.names[node]
+        if isinstance(value, Segments):
+            return self._store_segments(operand, node, value)
+        shape = operand.shape
+        rank = len(shape) + (1 if operand.complex else 0)
+        terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
+        for axis in range(len(shape)):
+            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
         mask = self.mask(node)
+        if operand.complex:
+            terms.append(f"{_pair_index(rank)} * {operand.name}_stride_{len(shape)}")
+            value = f"tl.join({value[0]}, {value[1]})"
+            mask = f"({mask})[..., None]" if mask and len(shape) else None
         extra = f", mask={mask}" if mask else ""
         self.lines.append(f"tl.store({' + '.join(terms)}, ({value}).to({TL_DTYPES[operand.dtype]}){extra})")
+
+    def _store_segments(self, operand: Operand, node: fx.Node, segments: "Segments"):
+        """A concatenation along the last axis: each part stored at its column offset."""
+        rank = len(operand.shape)
+        for offset, part, width in segments.parts:
+            terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
+            for axis in range(rank - 1):
+                terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
+            cols = _expand(f"tl.arange(0, {pow2(width)})", rank - 1, rank)
+            terms.append(f"({cols} + {offset}) * {operand.name}_stride_{rank - 1}")
+            masks = [f"({self.axis_index(node, a, rank)} < {s})" for a, s in enumerate(operand.shape[:-1]) if pow2(s) != s]
+            if pow2(width) != width:
+                masks.append(f"({cols} < {width})")
+            extra = f", mask={' & '.join(masks)}" if masks else ""
+            self.lines.append(f"tl.store({' + '.join(terms)}, ({part}).to({TL_DTYPES[operand.dtype]}){extra})")
 
     def masked(self, node: fx.Node, fill: str) -> str:
         mask = self.mask(node)
@@ -285,6 +355,11 @@ class _Lowerer:
         op, args = cop.op, cop.args
         if op not in SUPPORTED_OPS:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
+        special = op in _WHOLE_BLOCK_OPS or any(
+            isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
+        )
+        if special:
+            return self.lower_pairs_and_parts(node, cop)
         a = self.f32(args[0]) if args else None
         if op in _UNARY:
             return self.emit(node, _UNARY[op].format(a=a))
@@ -307,20 +382,110 @@ class _Lowerer:
             soft = f"tl.log(1.0 + tl.exp({scaled})) / {beta!r}"
             return self.emit(node, f"tl.where({scaled} > {threshold!r}, {a}, {soft})")
         if op in ("reshape", "expand"):
-            src = self.names[args[0]]
-            if op == "expand":
-                return self.emit(node, f"tl.broadcast_to({src}, {self.padded(node)})", layout_only=True)
-            if self.padded(node) == self.padded(args[0]):
-                return self.emit(node, src, layout_only=True)
-            inserted = _inserted_axes(self.block_shape(args[0]), self.block_shape(node))
-            if inserted is not None:  # unsqueeze: a broadcast, no data movement (tl.reshape may shuffle)
-                for axis in inserted:
-                    src = f"tl.expand_dims({src}, {axis})"
-                return self.emit(node, src, layout_only=True)
-            return self.emit(node, f"tl.reshape({src}, {self.padded(node) or (1,)})", layout_only=True)
+            return self.emit(node, self.layout(node, cop, self.names[args[0]]), layout_only=True)
         if op in REDUCTIONS or op == "softmax":
             return self.reduce(node, cop)
         raise LoweringError(f"`{node.name}`: no lowering for {op}")
+
+    def layout(self, node: fx.Node, cop: COp, src: str) -> str:
+        """``src`` moved into ``node``'s block shape (broadcast, unsqueeze or register reshape)."""
+        if cop.op == "expand":
+            return f"tl.broadcast_to({src}, {self.padded(node)})"
+        if self.padded(node) == self.padded(cop.args[0]):
+            return src
+        inserted = _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node))
+        if inserted is not None:  # unsqueeze: a broadcast, no data movement (tl.reshape may shuffle)
+            for axis in inserted:
+                src = f"tl.expand_dims({src}, {axis})"
+            return src
+        return f"tl.reshape({src}, {self.padded(node) or (1,)})"
+
+    def lower_pairs_and_parts(self, node: fx.Node, cop: COp):
+        """Complex values as (re, im) float pairs; concatenations as column segments; row gathers."""
+        op, args = cop.op, cop.args
+        name = self.fresh(node)
+        value = self.traced.value(node)
+        self.shapes[node], self.dtypes[node] = self.block_shape(node), value.dtype
+        src = self.names.get(args[0]) if args and isinstance(args[0], fx.Node) else None
+
+        def pair(re: str, im: str):
+            self.lines.append(f"{name}_re, {name}_im = {re}, {im}  # {node.name}")
+            self.names[node] = (f"{name}_re", f"{name}_im")
+
+        if op == "gather_rows":
+            return self.gather_rows(node, name, args[0], args[1])
+        if op == "view_as_complex":
+            self.lines.append(f"{name}_re, {name}_im = tl.split({src})  # {node.name}")
+            self.names[node] = (f"{name}_re", f"{name}_im")
+            return
+        if op == "view_as_real":
+            self.lines.append(f"{name} = tl.join({src[0]}, {src[1]})  # {node.name}")
+            self.names[node] = name
+            return
+        if op == "conj":
+            return pair(src[0], f"-{src[1]}")
+        if op in ("reshape", "expand") and isinstance(src, tuple):
+            return pair(self.layout(node, cop, src[0]), self.layout(node, cop, src[1]))
+        if op == "cat":
+            parts, offset = [], 0
+            for part in args:
+                expr = self.names[part]
+                if not isinstance(expr, str):
+                    raise LoweringError(f"`{node.name}`: cannot concatenate {type(expr).__name__} values")
+                width = self.block_shape(part)[-1]
+                parts.append((offset, expr, width))
+                offset += width
+            self.names[node] = Segments(parts)
+            return
+        if op == "cast" and isinstance(src, Segments):
+            target = TL_DTYPES[value.dtype]
+            self.names[node] = Segments([(o, f"({e}).to({target})", w) for o, e, w in src.parts])
+            return
+        if value.dtype.is_complex and op in ("mul", "add", "sub", "neg"):
+            a, b = (self._complex(x) for x in (list(args) + [None])[:2])
+            if op == "neg":
+                return pair(f"-{a[0]}", f"-{a[1]}")
+            if op in ("add", "sub"):
+                sign = "+" if op == "add" else "-"
+                return pair(f"{a[0]} {sign} {b[0]}", f"{a[1]} {sign} {b[1]}")
+            if b[1] is None:  # complex times real
+                return pair(f"{a[0]} * {b[0]}", f"{a[1]} * {b[0]}")
+            if a[1] is None:
+                return pair(f"{a[0]} * {b[0]}", f"{a[0]} * {b[1]}")
+            return pair(f"{a[0]} * {b[0]} - {a[1]} * {b[1]}", f"{a[0]} * {b[1]} + {a[1]} * {b[0]}")
+        raise LoweringError(f"`{node.name}`: no lowering for {op} on {value.dtype} / concatenated values")
+
+    def _complex(self, arg) -> tuple[str, str | None]:
+        """(re, im) of a complex operand; (value, None) for a real one."""
+        if arg is None:
+            return (None, None)
+        name = self.names.get(arg) if isinstance(arg, fx.Node) else None
+        if isinstance(name, tuple):
+            return name
+        return (self.f32(arg), None)
+
+    def gather_rows(self, node: fx.Node, name: str, table: fx.Node, index: fx.Node):
+        """``table[index]``: this token's row of a token-independent table."""
+        ops = {n: op for n, op in zip(self.inputs, self._operands)}
+        if table not in ops or index not in ops:
+            raise LoweringError(f"`{node.name}`: a row gather must read the table and the indices directly")
+        t, i = ops[table], ops[index]
+        self.lines.append(f"{name}_idx = tl.load({i.name}_ptr + row * {i.name}_stride_row)  # {index.name}")
+        gathered = Operand(t.name, table.name, t.shape[1:], t.dtype, True)
+        shape = gathered.shape
+        rank = len(shape) + (1 if gathered.complex else 0)
+        terms = [f"{t.name}_ptr", f"{name}_idx * {t.name}_stride_0"]
+        for axis in range(len(shape)):
+            terms.append(f"{self.axis_index(node, axis, rank)} * {t.name}_stride_{axis + 1}")
+        if gathered.complex:
+            terms.append(f"{_pair_index(rank)} * {t.name}_stride_{len(shape) + 1}")
+        mask = self.mask(node)
+        if mask and gathered.complex:
+            mask = f"({mask})[..., None]" if len(shape) else None
+        extra = f", mask={mask}, other=0.0" if mask else ""
+        self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
+        self.names[node] = name
+        self._finish_pair_load(node, name, gathered)
 
     def reduce(self, node: fx.Node, cop: COp):
         src = cop.args[0]
@@ -364,6 +529,7 @@ class _Lowerer:
             )
             self.block_last = min(pow2(self.last), max(16, pow2(max(1, 2048 // others))))
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
+        self._operands = ins
         for operand, node in zip(ins, self.inputs):
             self.load(operand, node)
         for node in self.nodes:

@@ -59,7 +59,7 @@ class RegionBuilder:
         self.read_at: dict[fx.Node, int] = {}  # node replaced by a kernel -> that kernel's position
 
     # --- shared structure --------------------------------------------------------------------
-    def boundary(self, nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    def boundary(self, nodes: list[fx.Node], recomputed: set = frozenset()) -> tuple[list[fx.Node], list[fx.Node]]:
         """Inputs (values read from outside) and outputs (values used outside), in graph order."""
         inside = set(nodes)
         inputs, outputs = [], []
@@ -68,9 +68,28 @@ class RegionBuilder:
                 if isinstance(arg, fx.Node) and arg not in inside and arg not in inputs:
                     inputs.append(arg)
         for node in nodes:
-            if any(u not in inside for u in node.users):
+            if node not in recomputed and self.users_outside(node, inside):
                 outputs.append(node)
         return inputs, outputs
+
+    def users_outside(self, node: fx.Node, inside: set) -> list[fx.Node]:
+        """Users of ``node`` outside ``inside``, looking through no-op casts and the like."""
+        found = []
+        for user in node.users:
+            if user in inside:
+                continue
+            if self.cops.get(user) and self.cops[user].op == "identity":
+                found += self.users_outside(user, inside)
+            else:
+                found.append(user)
+        return found
+
+    def args_of(self, node: fx.Node) -> list[fx.Node]:
+        """The values a node reads, with no-op casts looked through."""
+        cop = self.cops.get(node)
+        if cop is None or cop.kind == INPUT:
+            return list(node.all_input_nodes)
+        return [a for a in cop.args if isinstance(a, fx.Node)] or list(node.all_input_nodes)
 
     def placement(self, covered: set, inputs: list, outputs: list) -> tuple[fx.Node | None, str, int]:
         """Where the kernel can run: (the node it runs just before, "", 0) or (None, why, cut).
@@ -97,9 +116,7 @@ class RegionBuilder:
             if self._ready(inp) > position:
                 return f"`{inp.name}` is made after the point the chain would run", self._ready(inp)
         for out in outputs:
-            for user in out.users:
-                if user in covered:
-                    continue
+            for user in self.users_outside(out, covered):
                 used_at = self.read_at.get(user, self.order[user])
                 if used_at < position:
                     return f"`{out.name}` is used by `{user.name}` before the chain ends", self.order[user]
@@ -164,25 +181,43 @@ class RegionBuilder:
         for node in self.graph.nodes:
             # Leaving the pool costs a level; a path back into it arrives one level deeper.
             depth[node] = max(
-                (depth[a] + (1 if a in pool and node not in pool else 0) for a in node.all_input_nodes),
+                (depth[a] + (1 if a in pool and node not in pool else 0) for a in self.args_of(node)),
                 default=0,
             )
         regions = []
-        for component in _components(candidates, pool, depth):
+        for component in _components(candidates, pool, depth, self.args_of):
             regions += self._place(component)
-        return [r for r in regions if sum(1 for n in r.nodes if self.cops[n].kind == COMPUTE) >= 2]
+        return regions
+
+    def recomputable(self, node: fx.Node) -> bool:
+        """Cheap glue computed from graph inputs only (a table lookup, a view of it): each kernel
+        that reads it may compute it again instead of reading a copy someone wrote."""
+        cop = self.cops.get(node)
+        if cop is None or not fusible(cop) or cop.op not in _RECOMPUTABLE:
+            return False
+        return all(self.cops[a].kind == INPUT or self.recomputable(a) for a in cop.args if isinstance(a, fx.Node))
 
     def _place(self, nodes: list[fx.Node]) -> list[Region]:
-        """Split a component until every part can run at its last node."""
+        """Split a component until every part can run at one point of the program."""
         nodes = sorted(nodes, key=self.order.get)
-        inputs, outputs = self.boundary(nodes)
-        position, _, cut = self.placement(set(nodes), inputs, outputs)
+        lowered, recomputed = list(nodes), set()
+        while True:
+            extra = [i for i in self.boundary(lowered)[0] if self.recomputable(i)]
+            if not extra:
+                break
+            recomputed.update(extra)
+            lowered = sorted(set(lowered) | set(extra), key=self.order.get)
+        inputs, outputs = self.boundary(lowered, recomputed)
+        covered = set(nodes) - recomputed
+        position, _, cut = self.placement(covered, inputs, outputs) if covered else (None, "", 0)
         if position is not None:
+            if sum(1 for n in covered if self.cops[n].kind == COMPUTE) < 2:
+                return []  # one op alone gains nothing from a kernel of its own
             template = "row_reduce" if any(self.cops[n].op in _REDUCING for n in nodes) else "pointwise"
             # A node folded into another (sum into mean) is computed by that one.
             absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
-            lowered = [n for n in nodes if n not in absorbed]
-            region = Region(lowered, inputs, outputs, template, None, set(nodes), position)
+            lowered = [n for n in lowered if n not in absorbed]
+            region = Region(lowered, inputs, outputs, template, None, covered, position)
             self.commit(region)
             return [region]
         before = [n for n in nodes if self.order[n] < cut]
@@ -192,19 +227,20 @@ class RegionBuilder:
         parts = []
         for half in (before, after):
             pool = set(half)
-            for component in _components(half, pool, {n: 0 for n in half}):
+            for component in _components(half, pool, {n: 0 for n in half}, self.args_of):
                 parts += self._place(component)
         return parts
 
 
 _REDUCING = {"sum", "mean", "amax", "amin", "softmax"}
+_RECOMPUTABLE = {"gather_rows", "reshape", "expand", "conj", "cast"}
 
 
 def _reads(cop: COp, value: fx.Node) -> bool:
     return any(a is value for a in cop.args)
 
 
-def _components(nodes, pool: set, depth: dict) -> list[list[fx.Node]]:
+def _components(nodes, pool: set, depth: dict, args_of) -> list[list[fx.Node]]:
     """Connected components of ``nodes`` over edges between pool members of equal depth."""
     parent = {n: n for n in nodes}
 
@@ -215,7 +251,7 @@ def _components(nodes, pool: set, depth: dict) -> list[list[fx.Node]]:
         return n
 
     for node in nodes:
-        for arg in node.all_input_nodes:
+        for arg in args_of(node):
             if arg in pool and depth.get(arg) == depth.get(node):
                 parent[find(arg)] = find(node)
     groups: dict[fx.Node, list] = {}

@@ -20,14 +20,17 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from fuser.canon import META, UNIT_VIEW, VIEW, COp
+from fuser.canon import COMPUTE, META, UNIT_VIEW, VIEW, COp
 from fuser.trace import Traced
 
 STATE_ATTR = "_fuser_state"
 
 
-def rewrite_graph(graph: fx.Graph, cops: dict[fx.Node, COp], regions: list, launchers: dict[int, Callable]) -> fx.Graph:
-    """A new graph where each region is one call to its launcher, placed at its position."""
+def rewrite_graph(
+    graph: fx.Graph, cops: dict[fx.Node, COp], regions: list, launchers: dict[int, Callable]
+) -> tuple[fx.Graph, set[fx.Node]]:
+    """A new graph where each region is one call to its launcher, placed at its position;
+    and the old graph's nodes that are still in it."""
     at_position: dict[fx.Node, list] = {}
     covered = set()
     for i, region in enumerate(regions):
@@ -56,15 +59,15 @@ def rewrite_graph(graph: fx.Graph, cops: dict[fx.Node, COp], regions: list, laun
             raise AssertionError(f"`{node.name}` reads a fused intermediate but is used by {live}")
     _drop_unused_views(new, origin, cops)
     new.lint()
-    return new
+    return new, {origin[n] for n in new.nodes if n in origin}
 
 
 def _drop_unused_views(graph: fx.Graph, origin: dict, cops: dict):
-    """Remove pure nodes (views, size arithmetic, no-op casts) nobody reads any more."""
+    """Remove pure nodes (views, glue math, size arithmetic) nobody reads any more."""
     for node in reversed(list(graph.nodes)):
         old = origin.get(node)
         cop = cops.get(old) if old is not None else None
-        pure = cop is not None and (cop.kind in (VIEW, UNIT_VIEW, META) or cop.op == "identity")
+        pure = cop is not None and cop.kind in (VIEW, UNIT_VIEW, META, COMPUTE)
         if pure and not node.users and node.op != "output" and not (cop.kind == META and cop.op == "setitem"):
             graph.erase_node(node)
 
