@@ -20,10 +20,10 @@ from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
 from fuser.pattern import load_patterns
-from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder
+from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, fusible, widened
 from fuser.report import FusedChain, Rejected, Report, Unfused
 from fuser.splice import Guard, compile_forward, install, is_fused, restore, rewrite_graph
-from fuser.tolerance import LAYER, mismatch
+from fuser.tolerance import LAYER, least_precise, mismatch
 from fuser.trace import Traced, preserved_state, trace
 
 
@@ -79,10 +79,19 @@ def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]
 
 def _validate(kernel: Kernel, values) -> str | None:
     region = kernel.region
-    with torch.no_grad():
-        got = kernel.launch(*[values[n] for n in region.inputs])
+    try:
+        with torch.no_grad():
+            got = kernel.launch(*[values[n] for n in region.inputs])
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run stays unspliced
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return f"kernel {kernel.path.name} failed: {type(e).__name__}: {first}"
+    precision = least_precise(
+        v.dtype for v in (values[n] for n in list(region.inputs) + list(region.nodes)) if isinstance(v, torch.Tensor)
+    )
     for node, actual in zip(region.outputs, got):
-        problem = mismatch(actual, values[node], f"`{node.name}`")
+        expected = values[node]
+        coarsest = least_precise([precision, expected.dtype]) if isinstance(expected, torch.Tensor) else None
+        problem = mismatch(actual, expected, f"`{node.name}`", tol_dtype=coarsest)
         if problem:
             return problem
     return None
@@ -133,6 +142,7 @@ def plan(
             taken |= region.covered
     for region in builder.generic(taken):
         build(region)
+    _widen(kernels, builder, traced, cops)
 
     if validate:
         values = record_values(module, traced)
@@ -156,6 +166,23 @@ def plan(
     forward = compile_forward(graph, module)
     report = _report(module, traced, cops, kernels, rejected, failed, survivors)
     return Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
+
+
+def _widen(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) -> None:
+    """Pull single unfused ops into the kernel next to them (re-lowered; kept only if it lowers)."""
+    covered = set().union(*(k.region.covered for k in kernels)) if kernels else set()
+    leftovers = [n for n in traced.graph.nodes if n in cops and fusible(cops[n]) and n not in covered]
+    for i, kernel in enumerate(kernels):
+        region = widened(builder, kernel.region, [n for n in leftovers if n not in covered])
+        if region is None:
+            continue
+        try:
+            spec = kernel_spec(region, traced, cops)
+        except LoweringError:
+            continue
+        path, launch = emit(spec)
+        kernels[i] = Kernel(region, path, launch)
+        covered |= region.covered
 
 
 def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:
@@ -187,12 +214,19 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
         if launches == 0:
             continue  # views and no-ops cost nothing; they stay as they are
         reason = failed.get(node) or _reason(node, cops, covered)
-        if not traced.batch_dims(node) and cop.kind != MUTATION:
+        if _token_free(traced, node) and cop.kind != MUTATION:
             reason = "depends only on parameters: recomputed every call (not precomputed yet); " + reason
         report.unfused.append(Unfused(node.name, cop.op, reason, launches))
     report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
     report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
     return report
+
+
+def _token_free(traced: Traced, node: fx.Node) -> bool:
+    """Does no tensor the node makes follow the token count (it depends on parameters only)?"""
+    a, b = traced.shadows[node.name]
+    pairs = zip(a, b) if isinstance(a, (tuple, list)) else [(a, b)]
+    return all(x.shape == y.shape for x, y in pairs if isinstance(x, torch.Tensor))
 
 
 def _reason(node: fx.Node, cops, covered: set) -> str:

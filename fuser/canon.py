@@ -168,6 +168,9 @@ class Canonicalizer:
         if not isinstance(value, torch.Tensor):
             if node.target is operator.setitem:
                 return self._make(node, "setitem", MUTATION, node.args[:1])
+            if _holds_tensors(value) and op_name(node) not in ("chunk", "split", "unbind", "getattr", "getitem"):
+                # topk, sort, max(dim): one kernel returning several tensors; no template yet
+                return self._make(node, op_name(node), UNSUPPORTED, _tensor_args(node))
             return self._make(node, op_name(node), META)
         target = node.target
         if node.op == "call_function" and (target in HEAVY_FUNCTIONS or is_opaque(target)):
@@ -177,6 +180,14 @@ class Canonicalizer:
         if node.op == "call_method" and target in HEAVY_METHODS:
             return self._make(node, target, HEAVY, _tensor_args(node))
         name = op_name(node)
+        source = node.args[0] if node.args else None
+        if (
+            target in (builtins.getattr, operator.getitem)
+            and isinstance(source, fx.Node)
+            and _holds_tensors(self.value(source))
+            and op_name(source) not in ("chunk", "split", "unbind")  # those are slices: see _view
+        ):
+            return self._make(node, "element", VIEW, (source,))  # topk(...).indices: no kernel
         if name in _PAIR_VIEWS and self._aliases(node):
             return self._make(node, name, UNIT_VIEW, _tensor_args(node))
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
@@ -340,6 +351,10 @@ class Canonicalizer:
         return cop
 
 
+def _holds_tensors(value) -> bool:
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
 def _register_reshape(src: tuple, dst: tuple) -> bool:
     """A reshape a kernel can do in registers: equal leading dims, then powers of two only."""
     p = 0
@@ -379,4 +394,3 @@ def eager_launches(cop: COp) -> int:
     return 0
 
 
-_ = builtins  # getattr nodes reach here as META through op_name

@@ -53,6 +53,20 @@ _WHOLE_BLOCK_OPS = {"view_as_complex", "view_as_real", "conj", "cat", "gather_ro
 SUPPORTED_OPS = _WHOLE_BLOCK_OPS | set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
 
 
+def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) -> str:
+    """``expr`` (of dtype ``source``) converted to ``dtype`` the way PyTorch rounds it.
+
+    fp32 -> bf16 goes through ``to_bf16`` (templates/_kernel_base.py.jinja): round to nearest
+    even in integer arithmetic, so the result is exact on the GPU and in Triton's CPU
+    interpreter alike (the interpreter's own cast truncates).
+    """
+    if dtype == source:
+        return expr
+    if dtype == torch.bfloat16 and source == torch.float32:
+        return f"to_bf16({expr})"
+    return f"({expr}).to({TL_DTYPES.get(dtype, 'tl.float32')})"
+
+
 def _inserted_axes(src: tuple, dst: tuple) -> list[int] | None:
     """The axes (in order) where ``dst`` is ``src`` with size-1 dims inserted, else None."""
     axes, i = [], 0
@@ -111,9 +125,9 @@ class RowProgram:
 
 @dataclass
 class Segments:
-    """A value concatenated along its last axis: (column offset, expression, width) parts."""
+    """A value concatenated along its last axis: (column offset, expression, width, dtype) parts."""
 
-    parts: list[tuple[int, str, int]]
+    parts: list[tuple[int, str, int, torch.dtype]]
 
 
 def _expand(base: str, axis: int, rank: int) -> str:
@@ -281,7 +295,7 @@ class _Lowerer:
         dtype = self.traced.value(node).dtype
         name = self.fresh(node)
         if dtype not in (torch.float32, torch.bool) and not layout_only:
-            expr = f"({expr}).to({TL_DTYPES[dtype]})"
+            expr = rounded(expr, dtype)
         self.lines.append(f"{name} = {expr}  # {node.name}")
         self.shapes[node] = self.block_shape(node)
         self.dtypes[node] = dtype
@@ -328,12 +342,14 @@ class _Lowerer:
             value = f"tl.join({value[0]}, {value[1]})"
             mask = f"({mask})[..., None]" if mask and len(shape) else None
         extra = f", mask={mask}" if mask else ""
-        self.lines.append(f"tl.store({' + '.join(terms)}, ({value}).to({TL_DTYPES[operand.dtype]}){extra})")
+        source = torch.float32 if operand.complex else self.dtypes[node]
+        target = torch.float32 if operand.complex else operand.dtype
+        self.lines.append(f"tl.store({' + '.join(terms)}, {rounded(value, target, source)}{extra})")
 
     def _store_segments(self, operand: Operand, node: fx.Node, segments: "Segments"):
         """A concatenation along the last axis: each part stored at its column offset."""
         rank = len(operand.shape)
-        for offset, part, width in segments.parts:
+        for offset, part, width, dtype in segments.parts:
             terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
             for axis in range(rank - 1):
                 terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
@@ -343,7 +359,7 @@ class _Lowerer:
             if pow2(width) != width:
                 masks.append(f"({cols} < {width})")
             extra = f", mask={' & '.join(masks)}" if masks else ""
-            self.lines.append(f"tl.store({' + '.join(terms)}, ({part}).to({TL_DTYPES[operand.dtype]}){extra})")
+            self.lines.append(f"tl.store({' + '.join(terms)}, {rounded(part, operand.dtype, dtype)}{extra})")
 
     def masked(self, node: fx.Node, fill: str) -> str:
         mask = self.mask(node)
@@ -433,13 +449,14 @@ class _Lowerer:
                 if not isinstance(expr, str):
                     raise LoweringError(f"`{node.name}`: cannot concatenate {type(expr).__name__} values")
                 width = self.block_shape(part)[-1]
-                parts.append((offset, expr, width))
+                parts.append((offset, expr, width, self.dtypes[part]))
                 offset += width
             self.names[node] = Segments(parts)
             return
         if op == "cast" and isinstance(src, Segments):
-            target = TL_DTYPES[value.dtype]
-            self.names[node] = Segments([(o, f"({e}).to({target})", w) for o, e, w in src.parts])
+            self.names[node] = Segments(
+                [(o, rounded(rounded(e, torch.float32, d), value.dtype), w, value.dtype) for o, e, w, d in src.parts]
+            )
             return
         if value.dtype.is_complex and op in ("mul", "add", "sub", "neg"):
             a, b = (self._complex(x) for x in (list(args) + [None])[:2])

@@ -283,6 +283,39 @@ def _alias_classes(graph: fx.Graph, cops: dict[fx.Node, COp]) -> dict[fx.Node, f
     return {n: find(n) for n in graph.nodes}
 
 
+def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) -> Region | None:
+    """``region`` with the unfused ops next to it pulled in, or None if none can be.
+
+    An op joins when it only reads the region's values (and graph inputs) — an epilogue, it
+    becomes an extra output — or when the region is its only reader — a prologue.
+    """
+    if region.template in PARAM_TEMPLATES:
+        return None
+    covered, grown = set(region.covered), False
+    for node in leftovers:
+        if node in covered:
+            continue
+        args = [a for a in builder.args_of(node)]
+        epilogue = any(a in covered for a in args) and all(
+            a in covered or a in region.inputs or builder.cops[a].kind == INPUT for a in args
+        )
+        users = builder.users_outside(node, set())
+        prologue = bool(users) and all(u in covered for u in users)
+        if epilogue or prologue:
+            covered.add(node)
+            grown = True
+    if not grown:
+        return None
+    nodes = sorted(set(region.nodes) | (covered - region.covered), key=builder.order.get)
+    inputs, outputs = builder.boundary(nodes)
+    if region.match:  # the pattern's outputs first, in its order
+        outputs = list(region.outputs) + [o for o in outputs if o not in region.outputs]
+    position, _, _ = builder.placement(covered, inputs, outputs)
+    if position is None:
+        return None
+    return Region(nodes, inputs, outputs, region.template, region.match, covered, position)
+
+
 def build_regions(graph: fx.Graph, cops: dict[fx.Node, COp], matches: list[Match]):
     """Regions for the matches (those that can be placed) and for the unclaimed glue."""
     builder = RegionBuilder(graph, cops)

@@ -37,13 +37,17 @@ def tolerance(dtype: torch.dtype, level: dict = KERNEL) -> tuple[float, float]:
     return level.get(dtype, (0.0, 0.0))
 
 
-def mismatch(actual, expected, what: str = "value", level: dict = KERNEL) -> str | None:
-    """None when ``actual`` matches ``expected`` within its dtype's tolerance, else why not."""
+def mismatch(actual, expected, what: str = "value", level: dict = KERNEL, tol_dtype=None) -> str | None:
+    """None when ``actual`` matches ``expected`` within its dtype's tolerance, else why not.
+
+    ``tol_dtype`` overrides the dtype whose tolerance applies: an fp32 value computed from a
+    bf16 one carries bf16's precision, whatever dtype it is stored in.
+    """
     if isinstance(expected, (tuple, list)):
         if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
             return f"{what}: structure differs"
         for i, (a, e) in enumerate(zip(actual, expected)):
-            problem = mismatch(a, e, f"{what}[{i}]", level)
+            problem = mismatch(a, e, f"{what}[{i}]", level, tol_dtype)
             if problem:
                 return problem
         return None
@@ -52,7 +56,7 @@ def mismatch(actual, expected, what: str = "value", level: dict = KERNEL) -> str
     if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
         got = f"{actual.dtype} {tuple(actual.shape)}" if isinstance(actual, torch.Tensor) else type(actual).__name__
         return f"{what}: got {got}, expected {expected.dtype} {tuple(expected.shape)}"
-    rtol, atol = tolerance(expected.dtype, level)
+    rtol, atol = tolerance(tol_dtype or expected.dtype, level)
     a, e = actual.detach().cpu(), expected.detach().cpu()
     if not e.is_floating_point():
         return None if torch.equal(a, e) else f"{what}: {int((a != e).sum())} elements differ"
@@ -80,3 +84,12 @@ def _layer_mismatch(a, e, what, norm_rtol, max_rtol, dtype) -> str | None:
         f"{what}: normwise relative error {norm_err:.3g} (limit {norm_rtol:g}), "
         f"max error / max value {max_err:.3g} (limit {max_rtol:g}) ({dtype})"
     )
+
+
+_PRECISION = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def least_precise(dtypes) -> torch.dtype | None:
+    """The floating dtype with the fewest mantissa bits among ``dtypes`` (None if none is)."""
+    floats = [d for d in dtypes if d in _PRECISION]
+    return min(floats, key=_PRECISION.get) if floats else None

@@ -31,7 +31,7 @@ def test_explain_json(tmp_path):
     assert report["launches_after"] < report["launches_before"]
     assert report["module"] == "DeepseekV4DecoderLayer"
     patterns = {c["pattern"] for c in report["chains"]}
-    assert {"mhc_sinkhorn", "mhc_post", "rmsnorm", "rmsnorm_weightless", "swiglu_clamp"} <= patterns
+    assert {"mhc_sinkhorn_rms", "mhc_post", "rmsnorm", "rmsnorm_weightless", "swiglu_clamp"} <= patterns
     for chain in report["chains"]:
         assert (kernels / f"{chain['kernel']}.py").is_file(), chain["kernel"]
 

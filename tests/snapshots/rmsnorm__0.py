@@ -4,16 +4,27 @@
 # in0: torch.bfloat16 [T, 64]
 # in1: torch.bfloat16 [64]
 # out0 -> torch.bfloat16 [T, 64]
+# out1 -> torch.float32 [T, 64]
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def rmsnorm_0f736e3e4506_kernel(
+def to_bf16(x):
+    """fp32 -> bf16, round to nearest even in integer arithmetic: exact everywhere, including
+    Triton's CPU interpreter (whose own cast truncates). NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+
+
+@triton.jit
+def rmsnorm_37959c58f964_kernel(
     in0_ptr, in0_stride_row, in0_stride_0,
     in1_ptr, in1_stride_0,
     out0_ptr, out0_stride_row, out0_stride_0,
+    out1_ptr, out1_stride_row, out1_stride_0,
 ):
     row = tl.program_id(0).to(tl.int64)
     in0 = tl.load(in0_ptr + row * in0_stride_row + tl.arange(0, 64) * in0_stride_0)  # to_9
@@ -25,20 +36,24 @@ def rmsnorm_0f736e3e4506_kernel(
     v6 = tl.rsqrt(v5)  # rsqrt_6
     v7 = v2 * v6  # mul_24
     v8 = v7 * in1.to(tl.float32)  # mul_25
-    v9 = (v8).to(tl.bfloat16)  # to_10
-    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 64) * out0_stride_0, (v9).to(tl.bfloat16))
+    v9 = to_bf16(v8)  # to_10
+    v10 = v9.to(tl.float32)  # float_11
+    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 64) * out0_stride_0, v9)
+    tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 64) * out1_stride_0, v10)
 
 
 
 def launch(in0, in1):
-    """Run rmsnorm_0f736e3e4506_kernel: returns (out0,)."""
+    """Run rmsnorm_37959c58f964_kernel: returns (out0, out1,)."""
     n_rows = in0.shape[0]
     out0 = torch.empty((n_rows, 64), dtype=torch.bfloat16, device=in0.device)
+    out1 = torch.empty((n_rows, 64), dtype=torch.float32, device=in0.device)
     if n_rows > 0:
-        rmsnorm_0f736e3e4506_kernel[(n_rows,)](
+        rmsnorm_37959c58f964_kernel[(n_rows,)](
             in0, in0.stride(0), in0.stride(1),
             in1, in1.stride(0),
             out0, out0.stride(0), out0.stride(1),
+            out1, out1.stride(0), out1.stride(1),
             num_warps=1,
         )
-    return (out0,)
+    return (out0, out1,)
