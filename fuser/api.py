@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fuser.canon import INPUT, MUTATION, UNSUPPORTED, canonicalize, eager_launches, is_glue
+from fuser.canon import COMPUTE, INPUT, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
 from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
@@ -46,7 +46,7 @@ class Plan:
     forward: Callable
     guard: Guard
     report: Report
-    notes: dict = field(default_factory=dict)
+    constants: dict = field(default_factory=dict)  # attribute name -> value computed from parameters
 
 
 def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
@@ -162,10 +162,43 @@ def plan(
             region = kernel.region
             failed.update({n: "no valid place to run it once other kernels were dropped" for n in region.nodes})
     regions = [k.region for k in kernels]
-    graph, survivors = rewrite_graph(traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)})
+    constants = _parameter_only(traced, cops, set().union(*(r.covered for r in regions)) if regions else set())
+    graph, survivors = rewrite_graph(
+        traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)}, {n: a for n, (a, _) in constants.items()}
+    )
     forward = compile_forward(graph, module)
     report = _report(module, traced, cops, kernels, rejected, failed, survivors)
-    return Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
+    report.precomputed = [n.name for n in constants]
+    p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
+    p.constants = {attr: value for attr, value in constants.values()}
+    return p
+
+
+CONSTANT_PREFIX = "_fuser_const_"
+
+
+def _parameter_only(traced: Traced, cops, covered: set) -> dict[fx.Node, tuple[str, torch.Tensor]]:
+    """Glue that reads parameters only (a weight's cast, say): computed once, here, and read
+    from an attribute at every call instead. Returns node -> (attribute name, value)."""
+    from_parameters: set[fx.Node] = set()
+    for node in traced.graph.nodes:
+        cop = cops.get(node)
+        if cop is None:
+            continue
+        if node.op == "get_attr" and isinstance(traced.value(node), torch.nn.Parameter):
+            from_parameters.add(node)
+        elif cop.kind in (COMPUTE, UNIT_VIEW, VIEW) and node.all_input_nodes and all(
+            a in from_parameters for a in node.all_input_nodes
+        ):
+            from_parameters.add(node)
+    chosen = {}
+    for node in traced.graph.nodes:
+        cop = cops.get(node)
+        if node in from_parameters and node not in covered and cop.kind == COMPUTE and cop.op != "identity":
+            # The outermost such value only: what it is computed from is then unused.
+            if any(u not in from_parameters for u in node.users):
+                chosen[node] = (f"{CONSTANT_PREFIX}{len(chosen)}", traced.value(node).detach().clone())
+    return chosen
 
 
 def _widen(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) -> None:
@@ -215,7 +248,7 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
             continue  # views and no-ops cost nothing; they stay as they are
         reason = failed.get(node) or _reason(node, cops, covered)
         if _token_free(traced, node) and cop.kind != MUTATION:
-            reason = "depends only on parameters: recomputed every call (not precomputed yet); " + reason
+            reason = "depends only on parameters, but is not computed from them alone here; " + reason
         report.unfused.append(Unfused(node.name, cop.op, reason, launches))
     report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
     report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
@@ -260,7 +293,7 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
             p = plan(module, example_inputs, **options)
         except Exception as e:
             raise FuserError(f"fuser.apply left {type(module).__name__} unchanged: {e}") from e
-    install(module, p.forward, p.guard, p.report)
+    install(module, p.forward, p.guard, p.report, p.constants)
     return p
 
 

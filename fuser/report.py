@@ -40,6 +40,7 @@ class Report:
     chains: list[FusedChain] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     unfused: list[Unfused] = field(default_factory=list)
+    precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
     launches_before: int = 0
@@ -69,6 +70,8 @@ class Report:
         lines += ["", f"rejected candidates ({len(self.rejected)}):"]
         for r in self.rejected:
             lines.append(f"  {r.pattern:<22} at {r.anchor}: [{r.category}] {r.reason}")
+        if self.precomputed:
+            lines += ["", f"computed once from parameters at apply time: {', '.join(self.precomputed)}"]
         launches = sum(u.launches for u in self.unfused)
         lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
         for u in self.unfused:

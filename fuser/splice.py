@@ -27,10 +27,16 @@ STATE_ATTR = "_fuser_state"
 
 
 def rewrite_graph(
-    graph: fx.Graph, cops: dict[fx.Node, COp], regions: list, launchers: dict[int, Callable]
+    graph: fx.Graph,
+    cops: dict[fx.Node, COp],
+    regions: list,
+    launchers: dict[int, Callable],
+    constants: dict[fx.Node, str] | None = None,
 ) -> tuple[fx.Graph, set[fx.Node]]:
-    """A new graph where each region is one call to its launcher, placed at its position;
-    and the old graph's nodes that are still in it."""
+    """A new graph where each region is one call to its launcher, placed at its position, and
+    each node in ``constants`` reads the module attribute it names; and the old graph's nodes
+    that are still in it."""
+    constants = constants or {}
     at_position: dict[fx.Node, list] = {}
     covered = set()
     for i, region in enumerate(regions):
@@ -47,6 +53,9 @@ def rewrite_graph(
             for k, out in enumerate(region.outputs):
                 env[out] = new.call_function(operator.getitem, (call, k))
         if node in covered:
+            continue
+        if node in constants:
+            env[node] = new.get_attr(constants[node])
             continue
         if any(a not in env for a in node.all_input_nodes):
             dead.add(node)  # only reads values no longer computed: must be unused (checked below)
@@ -152,9 +161,17 @@ class FuserState:
     fused_forward: Callable
     guard: Guard
     report: Any
+    constants: tuple[str, ...] = ()  # attributes holding values computed from parameters
 
 
-def install(module: torch.nn.Module, fused_forward: Callable, guard: Guard, report) -> None:
+def install(module: torch.nn.Module, fused_forward: Callable, guard: Guard, report, constants=None) -> None:
+    """Route ``module.forward`` through the guard to ``fused_forward``.
+
+    ``constants`` (name -> tensor) become plain attributes of the module — not parameters or
+    buffers, so ``state_dict`` is unchanged; they hold values computed from parameters at
+    apply time (re-apply after loading new weights).
+    """
+    constants = constants or {}
     original = module.__dict__.get("forward")
     eager = module.forward
 
@@ -165,7 +182,9 @@ def install(module: torch.nn.Module, fused_forward: Callable, guard: Guard, repo
             return fused_forward(*traced_args)
         return eager(*args, **kwargs)
 
-    state = FuserState(original, fused_forward, guard, report)
+    state = FuserState(original, fused_forward, guard, report, tuple(constants))
+    for name, value in constants.items():
+        object.__setattr__(module, name, value)
     object.__setattr__(module, STATE_ATTR, state)
     module.forward = forward
 
@@ -179,6 +198,8 @@ def restore(module: torch.nn.Module) -> None:
         del module.forward
     else:
         module.forward = state.original_forward
+    for name in state.constants:
+        del module.__dict__[name]
     del module.__dict__[STATE_ATTR]
 
 
