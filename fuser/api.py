@@ -264,7 +264,7 @@ def _token_free(traced: Traced, node: fx.Node) -> bool:
 
 def _reason(node: fx.Node, cops, covered: set) -> str:
     cop = cops[node]
-    if cop.kind == UNSUPPORTED:
+    if cop.kind == UNSUPPORTED or (cop.kind == COMPUTE and not fusible(cop)):
         return f"no template lowers {cop.op}"
     if cop.kind == MUTATION:
         return "in-place write: kept in program order, never fused across"

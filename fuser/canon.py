@@ -311,6 +311,8 @@ class Canonicalizer:
         if params.get("dtype") is not None:
             return self._make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
         dims = _normalize_dims(params.get("dim"), rank)
+        if set(dims) & set(self.batch_dims(node.args[0])):
+            return self._make(node, f"{name} over tokens", UNSUPPORTED, tuple(tensors))
         attrs = {"dim": dims}
         if name in REDUCTIONS:
             attrs["keepdim"] = bool(params.get("keepdim", False))

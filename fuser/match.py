@@ -87,6 +87,10 @@ class _Comparer:
         return False
 
     def node(self, pn: fx.Node, mn: fx.Node, st: _State) -> bool:
+        if not self.exact:
+            # A cast the reference needs at its example dtype is a no-op at another (x.float()
+            # on fp32): the loose round, which only binds inputs, looks through casts.
+            pn, mn = _through_casts(self.pg.cops, pn), _through_casts(self.mcops, mn)
         pc = self.pg.cops[pn]
         if pc.kind == INPUT:
             if pn in st.bound and st.bound[pn] is not mn:
@@ -101,7 +105,9 @@ class _Comparer:
         if (mc.op, mc.kind) != (pc.op, pc.kind) or len(mc.args) != len(pc.args):
             return self.fail(f"`{mn.name}` computes {mc.op} where the pattern has {pc.op}")
         if self.exact and mc.attrs != pc.attrs:
-            return self.fail(f"`{mn.name}` ({mc.op}) has {dict(mc.attrs)} where the pattern has {dict(pc.attrs)}", "shape")
+            differ = {k for k in dict(mc.attrs).keys() | dict(pc.attrs).keys() if mc.attr(k) != pc.attr(k)}
+            category = "dtype" if "dtype" in differ else "shape" if differ & {"shape", "stride", "offset", "dim"} else "literal"
+            return self.fail(f"`{mn.name}` ({mc.op}) has {dict(mc.attrs)} where the pattern has {dict(pc.attrs)}", category)
         st.p2m[pn] = mn
         orders = [pc.args]
         if pc.op in COMMUTATIVE and len(pc.args) == 2:
@@ -148,16 +154,28 @@ class _Comparer:
         if pn in st.p2m or pn in st.bound:
             return self._rest(tail, st)
         op = self.pg.cops[pn].op
+        telling = None  # a candidate that failed on a literal, dtype or shape says more
         for mn, mc in self.mcops.items():
             if mc.op != op:
                 continue
             trial = st.copy()
             saved = (self.reason, self.category)
+            self.reason = ""
             if self.node(pn, mn, trial) and self._rest(tail, trial):
                 st.__dict__.update(trial.__dict__)
                 return True
+            if self.category != "structure" and telling is None:
+                telling = (self.reason, self.category)
             self.reason, self.category = saved
+        if telling:
+            return self.fail(*telling)
         return self.fail(f"no node computes the pattern's output `{pn.name}` ({op}) alongside the others")
+
+
+def _through_casts(cops, node):
+    while isinstance(node, fx.Node) and node in cops and cops[node].op == "cast":
+        node = cops[node].args[0]
+    return node
 
 
 def _example(pattern: Pattern, sizes: dict[str, int], dtypes: dict[str, torch.dtype], device) -> tuple:
@@ -223,13 +241,14 @@ def _resolver(cops):
 
 
 def _structural_choices(pattern: Pattern) -> list[dict[str, int]]:
-    """Structural values to try: the defaults first, then each searched value."""
+    """Structural values to try: the defaults first, then each searched value, largest first."""
     structural = pattern.structural
     if not structural:
         return [{}]
     choices = [{k: int(v) for k, v in structural.items()}]
     for name, p in structural.items():
-        for value in p.search:
+        # Largest first: a shorter chain also matches a prefix of a longer one.
+        for value in sorted(p.search, reverse=True):
             choice = dict(choices[0], **{name: int(value)})
             if choice not in choices:
                 choices.append(choice)
@@ -283,9 +302,11 @@ def match_pattern(pattern: Pattern, traced: Traced, mcops: dict[fx.Node, COp], t
     rejections: list[Rejection] = []
     device = next((v.device for v in traced.example_inputs if isinstance(v, torch.Tensor)), "cpu")
     loose_default = trace_pattern(pattern, pattern.example, {}, None)
-    anchor_op = loose_default.cops[loose_default.outputs[0]].op
+    anchor_op = loose_default.cops[_through_casts(loose_default.cops, loose_default.outputs[0])].op
     for mn in reversed(list(mcops)):
-        if mn in taken or mcops[mn].op != anchor_op:
+        if mn in taken or mcops[mn].op not in (anchor_op, "cast"):
+            continue
+        if mcops[_through_casts(mcops, mn)].op != anchor_op:
             continue
         found = _match_at(pattern, traced, mcops, mn, taken | _claimed(matches), device)
         if isinstance(found, Match):

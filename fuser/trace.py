@@ -27,6 +27,7 @@ import builtins
 import inspect
 import operator
 import os
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -57,8 +58,7 @@ class TraceRefused(Exception):
 def user_frame() -> str:
     """``file:line: code`` of the innermost frame outside fuser, torch and the stdlib."""
     for frame in reversed(traceback.extract_stack()):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_FUSER_DIR) and not path.startswith(_FUSER_PATTERNS) or path.startswith(_LIBRARY_DIRS) or "/triton/" in path:
+        if _is_library_file(frame.filename):
             continue
         code = (frame.line or "").strip()
         return f"{frame.filename}:{frame.lineno}" + (f": `{code}`" if code else "")
@@ -98,10 +98,6 @@ class ShadowProxy(fx.Proxy):
     shadow: tuple[Any, Any]
 
     # --- metadata reads: static answers where both shadows agree ---------------------------
-    @property
-    def __class__(self):  # noqa: D401 - isinstance() must see the traced value's type
-        return type(self.shadow[0])
-
     def _tensor(self) -> torch.Tensor:
         value = self.shadow[0]
         if not isinstance(value, torch.Tensor):
@@ -305,7 +301,7 @@ class ShadowTracer(fx.Tracer):
         missing = [n for n, d in defaults.items() if d is inspect.Parameter.empty]
         if missing:
             raise ValueError(f"example_inputs give no value for forward parameters {missing}")
-        with _refuse_direct_kernel_launches(), _refuse_module_rebinding(), warnings.catch_warnings():
+        with _refuse_direct_kernel_launches(), _refuse_module_rebinding(), _shadow_isinstance(), warnings.catch_warnings():
             # fx warns that baked defaults get no runtime assertion; the splice's guard checks them.
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             return self.trace(root, concrete_args=defaults or None)
@@ -346,6 +342,38 @@ class _refuse_direct_kernel_launches:
         for cls, original in self._patched:
             cls.run = original
         return False
+
+
+class _shadow_isinstance:
+    """While tracing, ``isinstance(proxy, T)`` in the traced code answers for the traced value.
+
+    Only calls from outside torch, triton and fuser see through proxies; library code keeps
+    the real answer (torch's C++ argument parser must never take a proxy for a tensor).
+    """
+
+    def __enter__(self):
+        self.original = original = builtins.isinstance
+
+        def shadow_isinstance(obj, classes):
+            if type(obj) is ShadowProxy and "shadow" in obj.__dict__:
+                caller = sys._getframe(1).f_code.co_filename
+                if not _is_library_file(caller):
+                    return original(obj.shadow[0], classes)
+            return original(obj, classes)
+
+        builtins.isinstance = shadow_isinstance
+        return self
+
+    def __exit__(self, *exc):
+        builtins.isinstance = self.original
+        return False
+
+
+def _is_library_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    if path.startswith(_FUSER_DIR) and not path.startswith(_FUSER_PATTERNS):
+        return True
+    return path.startswith(_LIBRARY_DIRS) or "/triton/" in path or filename.startswith("<frozen")
 
 
 class _refuse_module_rebinding:
@@ -433,6 +461,7 @@ def trace(
     )
     with preserved_state(module, example_inputs), torch.no_grad():
         graph = tracer.trace_with_shadows(module, example_inputs, grown)
+    _drop_unused_size_reads(graph)
     return Traced(
         root=module,
         graph=graph,
@@ -441,6 +470,13 @@ def trace(
         example_inputs=example_inputs,
         shadows=tracer.shadows,
     )
+
+
+def _drop_unused_size_reads(graph: fx.Graph) -> None:
+    """``x.shape`` asks every dim's size; the reads nobody used would count as uses of x."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_method" and node.target in ("size", "numel", "dim") and not node.users:
+            graph.erase_node(node)
 
 
 class preserved_state:
