@@ -1,0 +1,69 @@
+"""The sglang decode capture protocol on the real-size DSv4 layer: fused by fuser, and under
+torch.compile (default mode and reduce-overhead), recorded side by side.
+
+    PYTHONPATH=. python benchmarks/capture_dsv4.py   # on a GPU; writes benchmarks/results/capture_dsv4_flash.json
+
+Batch sizes: sglang's default list up to 256, largest first, static input buffers sliced per
+size (as sglang's capture does), two warm-ups per size on one side stream, one shared pool.
+fuser must capture every size with no kernel compiled during capture, and replays must match
+eager. torch.compile is run on a few sizes only (it compiles once per size).
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import fuser  # noqa: E402
+from examples.dsv4 import layer as dsv4  # noqa: E402
+from fuser.bench import _opaque_for_dynamo, stamp  # noqa: E402
+from fuser.capture import SGLANG_BATCH_SIZES, capture_decode  # noqa: E402
+from fuser.tolerance import LAYER, mismatch  # noqa: E402
+
+COMPILE_SIZES = [64, 8, 1]
+
+
+def main():
+    largest = max(SGLANG_BATCH_SIZES)
+    fused, big_inputs = dsv4.flash(T=largest, device="cuda")
+    eager, eager_inputs = dsv4.flash(T=largest, device="cuda")
+    slices = lambda bs: tuple(x[:bs] for x in big_inputs)  # noqa: E731 - sglang's static buffers
+    started = time.perf_counter()
+    fuser.apply(fused, slices(8))
+    record = {"stamp": stamp(), "apply_s": round(time.perf_counter() - started, 1), "variants": []}
+
+    result = capture_decode(fused, slices, SGLANG_BATCH_SIZES, variant="fuser")
+    replay = {}
+    for bs, captured in sorted(result.graphs.items()):
+        captured.graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            expected = eager(*(x[:bs] for x in eager_inputs))
+        replay[bs] = mismatch(captured.output, expected, f"bs={bs}", LAYER) or "matches eager"
+    summary = result.summary()
+    summary["replay"] = replay
+    record["variants"].append(summary)
+    del result
+
+    for mode in ("default", "reduce-overhead"):
+        module, _ = dsv4.flash(T=1, device="cuda")
+        _opaque_for_dynamo(module)
+        compiled = torch.compile(module, mode=mode, dynamic=False)
+        result = capture_decode(compiled, slices, COMPILE_SIZES, variant=f"torch.compile {mode}")
+        record["variants"].append(result.summary())
+        del result, compiled, module
+        torch.cuda.empty_cache()
+
+    out = ROOT / "benchmarks/results/capture_dsv4_flash.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
