@@ -256,10 +256,16 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
 
 
 def _token_free(traced: Traced, node: fx.Node) -> bool:
-    """Does no tensor the node makes follow the token count (it depends on parameters only)?"""
-    a, b = traced.shadows[node.name]
-    pairs = zip(a, b) if isinstance(a, (tuple, list)) else [(a, b)]
-    return all(x.shape == y.shape for x, y in pairs if isinstance(x, torch.Tensor))
+    """Is the node computed from parameters alone (no graph input upstream)?"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return False
+        if n not in seen:
+            seen.add(n)
+            stack += n.all_input_nodes
+    return True
 
 
 def _reason(node: fx.Node, cops, covered: set) -> str:

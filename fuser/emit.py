@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import jinja2
 
-from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2
+from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
 
 
@@ -85,7 +85,7 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         program=spec.program,
         kernel_name=kernel_name,
         num_warps=spec.num_warps,
-        row_source=next(op.name for op in spec.inputs if op.has_rows),
+        row_source=row_source(spec.inputs),
         tl_dtype=TL_DTYPES,
     )
     try:

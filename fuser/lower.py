@@ -93,6 +93,7 @@ class Operand:
     shape: tuple[int, ...]  # block shape (no token dim)
     dtype: torch.dtype
     has_rows: bool
+    broadcast_rows: bool = False  # a [1, ...] tensor the launcher expands over the token rows
 
     @property
     def complex(self) -> bool:
@@ -120,7 +121,12 @@ class RowProgram:
 
     @property
     def row_source(self) -> str:
-        return next(op.name for op in self.inputs if op.has_rows)
+        return row_source(self.inputs)
+
+
+def row_source(inputs: list[Operand]) -> str:
+    """The input whose first dim is the token count."""
+    return next(op.name for op in inputs if op.has_rows and not op.broadcast_rows)
 
 
 @dataclass
@@ -154,6 +160,9 @@ class _Lowerer:
             if n.users and all(self.cops.get(u) and self.cops[u].op == "gather_rows" for u in n.users if u in self.nodes)
             and any(self.cops.get(u) and self.cops[u].op == "gather_rows" for u in n.users if u in self.nodes)
         }
+        self.row_rank = max(
+            (self.traced.value(n).dim() for n in self.inputs + self.nodes if self.traced.batch_dims(n)), default=0
+        )
         self._check_rows()
         self.tiled, self.last = self._tiling()
         self.block_last = 1
@@ -184,6 +193,8 @@ class _Lowerer:
         value = self.traced.value(node)
         if self.traced.batch_dims(node):
             return tuple(value.shape[1:])
+        if value.dim() and value.dim() == self.row_rank and value.shape[0] == 1:
+            return tuple(value.shape[1:])  # [1, N] broadcast over the token rows
         return tuple(value.shape)
 
     def _tiling(self) -> tuple[bool, int]:
@@ -557,7 +568,10 @@ class _Lowerer:
         return RowProgram(ins, outs, self.lines, self.tiled, self.last, self.block_last, warps, numel)
 
     def _operand(self, node: fx.Node, name: str) -> Operand:
-        return operand(self.traced, node, name)
+        op = operand(self.traced, node, name)
+        if not op.has_rows and self.block_shape(node) != op.shape:  # [1, N]: expanded over rows
+            op = Operand(name, node.name, self.block_shape(node), op.dtype, True, broadcast_rows=True)
+        return op
 
 
 def operand(traced: Traced, node: fx.Node, name: str) -> Operand:

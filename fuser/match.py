@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fuser.canon import COMMUTATIVE, INPUT, COp, canonicalize
+from fuser.canon import COMMUTATIVE, INPUT, META, COp, canonicalize
 from fuser.pattern import IntParam, Param, Pattern, is_param
 from fuser.trace import Traced, trace
 
@@ -357,7 +357,7 @@ def _match_at(pattern, traced, mcops, anchor, taken, device):
         nodes = set()
         for pn, mn in st.p2m.items():
             nodes.update(mcops[mn].covers)
-        problem = _containment_problem(nodes, outputs, inputs)
+        problem = _containment_problem(nodes, outputs, inputs, mcops)
         if problem:
             return reject(problem, "fan-out")
         params = dict(st.params)
@@ -367,7 +367,25 @@ def _match_at(pattern, traced, mcops, anchor, taken, device):
     return None
 
 
-def _containment_problem(nodes: set, outputs: list, inputs: list) -> str | None:
+def _used_outside(node: fx.Node, nodes: set, cops) -> list[fx.Node]:
+    """Users of ``node`` outside the match that need its value. A no-op cast is looked
+    through; a size read (x.shape[0]) counts only if what it feeds is outside too."""
+    found = []
+    for user in node.users:
+        if user in nodes:
+            continue
+        cop = cops.get(user)
+        if cop is not None and cop.op == "identity":
+            found += _used_outside(user, nodes, cops)
+        elif cop is not None and cop.kind == META:
+            if _used_outside(user, nodes, cops):
+                found.append(user)
+        else:
+            found.append(user)
+    return found
+
+
+def _containment_problem(nodes: set, outputs: list, inputs: list, cops) -> str | None:
     for inp in inputs:
         if inp in nodes:
             return f"`{inp.name}` is both an input and an intermediate of the chain"
@@ -376,7 +394,7 @@ def _containment_problem(nodes: set, outputs: list, inputs: list) -> str | None:
     for node in nodes:
         if node in outputs:
             continue
-        outside = [u.name for u in node.users if u not in nodes]
+        outside = [u.name for u in _used_outside(node, nodes, cops)]
         if outside:
             return f"fan-out: intermediate `{node.name}` is also used by `{outside[0]}` outside the chain"
     return None

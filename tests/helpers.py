@@ -1,8 +1,4 @@
-"""Shared helpers for the golden, matching and fallback tests.
-
-Import what a test module needs; importing ``reuse_loaded_patterns`` into a test module turns
-on its autouse fixture there.
-"""
+"""Shared helpers for the golden, matching and fallback tests."""
 
 from __future__ import annotations
 
@@ -12,45 +8,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
-import fuser
-import fuser.api
-from fuser.pattern import load_pattern, load_patterns, patterns_dir
+from fuser.pattern import load_pattern, patterns_dir
 from fuser.splice import STATE_ATTR
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: True when Triton kernels run in its CPU interpreter (the default off a GPU).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-# --- pattern loading ---------------------------------------------------------------------------
-_LOADED: dict = {}
-
-
-def _load_patterns_once(paths=None, templates=None):
-    """``fuser.pattern.load_patterns``, loading each set of files once per test session.
-
-    ``plan()`` reloads the pattern files on every call, which gives new Pattern objects, and the
-    matcher's trace cache is keyed on them: every plan then re-traces every reference (65 times
-    for the Sinkhorn iteration search), seconds per call. Handing back the same objects keeps
-    that cache warm; the files, the matching and everything after are unchanged.
-    """
-    key = (tuple(str(p) for p in (paths or ())), frozenset(templates or ()))
-    if key not in _LOADED:
-        _LOADED[key] = load_patterns(paths, templates)
-    return list(_LOADED[key])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def reuse_loaded_patterns():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fuser.api, "load_patterns", _load_patterns_once)
-        yield
-
-
+# --- patterns ----------------------------------------------------------------------------------
 def pattern(name: str):
     """The pattern ``patterns/<name>.py`` (its ``reference`` is the golden reference)."""
     return load_pattern(patterns_dir() / f"{name}.py")
@@ -114,38 +80,34 @@ def chains(report, pattern_name: str):
     return [c for c in report.chains if c.pattern == pattern_name]
 
 
-def describe(report) -> str:
-    return report.text()
-
-
 def assert_claimed(report, pattern_name: str, *, template: str | None = None, params: dict | None = None,
                    whole: bool = True):
     """Exactly one chain of ``pattern_name``, with ``template`` and ``params``; with ``whole``,
     no other kernel and no glue left unfused (the pattern covers the whole chain)."""
     found = chains(report, pattern_name)
     if len(found) != 1:
-        raise NotClaimed(f"expected one {pattern_name} chain, got {len(found)}:\n{describe(report)}")
+        raise NotClaimed(f"expected one {pattern_name} chain, got {len(found)}:\n{report.text()}")
     chain = found[0]
     if template is not None and chain.template != template:
         raise NotClaimed(f"{pattern_name} used template {chain.template!r}, expected {template!r}")
     if params is not None:
         got = {k: chain.params.get(k) for k in params}
         if got != params:
-            raise NotClaimed(f"{pattern_name} captured {chain.params}, expected {params}:\n{describe(report)}")
+            raise NotClaimed(f"{pattern_name} captured {chain.params}, expected {params}:\n{report.text()}")
     if whole:
         others = [c.pattern for c in report.chains if c is not chain]
         if others or report.unfused:
-            raise NotClaimed(f"{pattern_name} did not cover the whole chain:\n{describe(report)}")
+            raise NotClaimed(f"{pattern_name} did not cover the whole chain:\n{report.text()}")
     return chain
 
 
 def assert_not_claimed(report, pattern_name: str, *, category: str | None = None):
     """``pattern_name`` fused nothing; with ``category``, it was rejected under that category."""
-    assert not chains(report, pattern_name), f"{pattern_name} should not match:\n{describe(report)}"
+    assert not chains(report, pattern_name), f"{pattern_name} should not match:\n{report.text()}"
     if category is None:
         return None
     rejected = [r for r in report.rejected if r.pattern == pattern_name]
-    assert rejected, f"{pattern_name} should be reported as rejected ({category}):\n{describe(report)}"
+    assert rejected, f"{pattern_name} should be reported as rejected ({category}):\n{report.text()}"
     if not any(r.category == category for r in rejected):
         raise WrongCategory(
             f"{pattern_name} rejected as {[r.category for r in rejected]}, expected {category!r}: "
