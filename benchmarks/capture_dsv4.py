@@ -28,6 +28,18 @@ from fuser.tolerance import LAYER, mismatch  # noqa: E402
 COMPILE_SIZES = [64, 8, 1]
 
 
+def run_with_expert_ids(module, inputs):
+    """The module's output and the top-k expert ids its experts leaf received (eager call)."""
+    seen = {}
+    hook = module.mlp.experts.register_forward_pre_hook(lambda m, args: seen.setdefault("ids", args[2].clone()))
+    try:
+        with torch.no_grad():
+            out = module(*inputs)
+    finally:
+        hook.remove()
+    return out, seen["ids"]
+
+
 def main():
     largest = max(SGLANG_BATCH_SIZES)
     fused, big_inputs = dsv4.flash(T=largest, device="cuda")
@@ -42,9 +54,18 @@ def main():
     for bs, captured in sorted(result.graphs.items()):
         captured.graph.replay()
         torch.cuda.synchronize()
-        with torch.no_grad():
-            expected = eager(*(x[:bs] for x in eager_inputs))
-        replay[bs] = mismatch(captured.output, expected, f"bs={bs}", LAYER) or "matches eager"
+        expected, eager_ids = run_with_expert_ids(eager, tuple(x[:bs] for x in eager_inputs))
+        problem = mismatch(captured.output, expected, f"bs={bs}", LAYER)
+        if problem is None:
+            replay[bs] = "matches eager"
+            continue
+        # A token whose top-6 expert set differs (a near-tie flipped by a one-ulp difference
+        # upstream) legitimately differs; every other token must match.
+        _, fused_ids = run_with_expert_ids(fused, slices(bs))
+        flipped = [t for t in range(bs) if set(fused_ids[t].tolist()) != set(eager_ids[t].tolist())]
+        keep = [t for t in range(bs) if t not in flipped]
+        rest = mismatch(captured.output[keep], expected[keep], f"bs={bs} without flipped tokens", LAYER)
+        replay[bs] = {"tokens_with_another_expert_set": flipped, "other_tokens": rest or "match eager", "all": problem}
     summary = result.summary()
     summary["replay"] = replay
     record["variants"].append(summary)
