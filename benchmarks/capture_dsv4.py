@@ -31,7 +31,11 @@ COMPILE_SIZES = [64, 8, 1]
 def run_with_expert_ids(module, inputs):
     """The module's output and the top-k expert ids its experts leaf received (eager call)."""
     seen = {}
-    hook = module.mlp.experts.register_forward_pre_hook(lambda m, args: seen.setdefault("ids", args[2].clone()))
+
+    def record(_, args):
+        seen["ids"] = args[2].clone()  # (x, topk_weights, topk_ids); returns None: args unchanged
+
+    hook = module.mlp.experts.register_forward_pre_hook(record)
     try:
         with torch.no_grad():
             out = module(*inputs)
