@@ -6,6 +6,7 @@ Writes benchmarks/results/dsv4_<config>.{json,md}; `python benchmarks/plot.py` d
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -15,13 +16,14 @@ sys.path.insert(0, str(ROOT))
 from fuser.cli import main  # noqa: E402
 
 if __name__ == "__main__":
+    os.chdir(ROOT)
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="flash", choices=["flash", "tiny"])
     parser.add_argument("--tokens", default="1,8,32,128,512")
     args = parser.parse_args()
     sys.exit(
         main([
-            "bench", str(ROOT / "examples/dsv4/layer.py") + f":{args.config}", "--tokens", args.tokens,
+            "bench", f"examples/dsv4/layer.py:{args.config}", "--tokens", args.tokens,
             "--out", str(ROOT / "benchmarks/results"), "--name", f"dsv4_{args.config}",
         ])
     )

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import fuser  # noqa: E402
 from examples.dsv4 import layer as dsv4  # noqa: E402
-from fuser.bench import _opaque_for_dynamo, stamp  # noqa: E402
+from fuser.bench import mark_leaves, stamp  # noqa: E402
 from fuser.capture import SGLANG_BATCH_SIZES, capture_decode  # noqa: E402
 from fuser.tolerance import LAYER, mismatch  # noqa: E402
 
@@ -77,7 +77,7 @@ def main():
 
     for mode in ("default", "reduce-overhead"):
         module, _ = dsv4.flash(T=1, device="cuda")
-        _opaque_for_dynamo(module)
+        mark_leaves(module, keep_from_dynamo=True)
         compiled = torch.compile(module, mode=mode, dynamic=False)
         result = capture_decode(compiled, slices, COMPILE_SIZES, variant=f"torch.compile {mode}")
         record["variants"].append(result.summary())

@@ -8,7 +8,9 @@ the bandwidth they reach against a copy measured in the same run.
 Telling glue from heavy kernels: one eager (non-graph) forward runs with a marker kernel
 (``torch.cuda._sleep``) launched before and after every opaque leaf; kernels between markers
 belong to a leaf, GEMM kernels are known by name, the rest is glue. Graph replay runs the same
-kernels in the same order, so the replay's kernels take their class by position.
+kernels in the same order, so the replay's kernels take their class by position. Leaves are
+kept out of torch.compile (as sglang keeps its custom ops), so all three variants run the same
+leaves and differ in the glue only.
 """
 
 from __future__ import annotations
@@ -140,29 +142,42 @@ def _kernels(prof) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.end - e.time_range.start) for e in events]
 
 
-def _with_leaf_markers(module: torch.nn.Module):
-    """Hooks that launch a marker kernel around every opaque leaf; returns their handles."""
-    handles = []
+_MARKING = [False]  # set while kernel_classes profiles: leaves then launch marker kernels
+
+
+def mark_leaves(module: torch.nn.Module, *, keep_from_dynamo: bool = False) -> None:
+    """Wrap every opaque leaf's forward so that, while ``_MARKING`` is set, a marker kernel runs
+    before and after it. With ``keep_from_dynamo`` the wrapper is also kept out of
+    torch.compile, so compiled and eager variants run the very same leaves eagerly."""
     for m in module.modules():
-        if is_opaque(type(m)):
-            handles.append(m.register_forward_pre_hook(lambda *_: torch.cuda._sleep(1)))
-            handles.append(m.register_forward_hook(lambda *_: torch.cuda._sleep(1)))
-    return handles
+        if not is_opaque(type(m)):
+            continue
+        inner = m.forward
+
+        def forward(*args, __inner=inner, **kwargs):
+            if _MARKING[0]:
+                torch.cuda._sleep(1)
+            out = __inner(*args, **kwargs)
+            if _MARKING[0]:
+                torch.cuda._sleep(1)
+            return out
+
+        m.forward = torch._dynamo.disable(forward) if keep_from_dynamo else forward
 
 
-def kernel_classes(forward: Callable, inputs: tuple, module: torch.nn.Module) -> list[tuple[str, str]]:
-    """(kernel name, 'glue' | 'heavy') for one eager forward, in launch order."""
-    handles = _with_leaf_markers(module)
-    try:
-        with torch.no_grad():
-            forward(*inputs)  # warm
-            torch.cuda.synchronize()
+def kernel_classes(forward: Callable, inputs: tuple) -> list[tuple[str, str]]:
+    """(kernel name, 'glue' | 'heavy') for one eager forward, in launch order (the module's
+    leaves must be wrapped by :func:`mark_leaves`)."""
+    with torch.no_grad():
+        forward(*inputs)  # warm
+        torch.cuda.synchronize()
+        _MARKING[0] = True
+        try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 forward(*inputs)
                 torch.cuda.synchronize()
-    finally:
-        for h in handles:
-            h.remove()
+        finally:
+            _MARKING[0] = False
     classes, inside_leaf = [], False
     for name, _ in _kernels(prof):
         if MARKER in name.lower():
@@ -170,6 +185,8 @@ def kernel_classes(forward: Callable, inputs: tuple, module: torch.nn.Module) ->
             continue
         heavy = inside_leaf or any(k in name.lower() for k in HEAVY_NAMES)
         classes.append((name, "heavy" if heavy else "glue"))
+    if inside_leaf:
+        raise RuntimeError("unbalanced leaf markers: a leaf kernel ran on another stream?")
     return classes
 
 
@@ -198,25 +215,20 @@ def profile_replay(graph, classes: list[tuple[str, str]], replays: int = 5):
     return len(glue), sum(d for _, d in glue), per - len(glue), note, totals
 
 
-def _opaque_for_dynamo(module: torch.nn.Module):
-    """Keep leaves out of torch.compile too, so both variants run the same leaves eagerly."""
-    for m in module.modules():
-        if is_opaque(type(m)):
-            m.forward = torch._dynamo.disable(m.forward)
-
-
 def run(factory: Callable, target: str, tokens=(1, 8, 32, 128, 512), variants=("eager", "compile", "fuser")) -> BenchResult:
     import fuser
 
     result = BenchResult(target=target, stamp=stamp(), copy_gbps=copy_bandwidth_gbps())
     eager_module, _ = factory(T=tokens[0], device="cuda")
+    mark_leaves(eager_module)
     fused_module, fused_inputs = factory(T=tokens[0], device="cuda")
     plan = fuser.api.apply_plan(fused_module, fused_inputs)  # one trace serves every T below
+    mark_leaves(fused_module)
     result.fuser_report = plan.report.to_json()
     compiled = None
     if "compile" in variants:
         compile_module, _ = factory(T=tokens[0], device="cuda")
-        _opaque_for_dynamo(compile_module)
+        mark_leaves(compile_module, keep_from_dynamo=True)
         compiled = torch.compile(compile_module, dynamic=False)
     forwards = {"eager": eager_module, "compile": compiled, "fuser": fused_module}
     for T in tokens:
@@ -238,7 +250,7 @@ def run(factory: Callable, target: str, tokens=(1, 8, 32, 128, 512), variants=("
                 continue
             graph = capture.graphs[T].graph
             layer_us = replay_time_us(graph)
-            classes = kernel_classes(forward, inputs, compile_module if variant == "compile" else forward)
+            classes = kernel_classes(forward, inputs)
             glue_n, glue_us, heavy_n, note, totals = profile_replay(graph, classes)
             result.rows.append(Row(variant, T, layer_us, glue_n, glue_us, heavy_n, compile_s, note))
             if variant == "fuser" and T == max(tokens):
