@@ -2,9 +2,8 @@
 # pattern: generic
 # params:  -
 # in0: torch.bfloat16 [T, 4, 64]
-# out0 -> torch.float32 [T, 256]
-# out1 -> torch.float32 [T, 1]
-# out2 -> torch.float32 [T, 4, 64]
+# in1: torch.float32 [T, 4]
+# out0 -> torch.bfloat16 [T, 64]
 import torch
 import triton
 import triton.language as tl
@@ -20,39 +19,34 @@ def to_bf16(x):
 
 
 @triton.jit
-def generic_29fe460308d1_kernel(
+def generic_0205d1784a10_kernel(
     in0_ptr, in0_stride_row, in0_stride_0, in0_stride_1,
+    in1_ptr, in1_stride_row, in1_stride_0,
     out0_ptr, out0_stride_row, out0_stride_0,
-    out1_ptr, out1_stride_row, out1_stride_0,
-    out2_ptr, out2_stride_row, out2_stride_0, out2_stride_1,
 ):
     row = tl.program_id(0).to(tl.int64)
-    in0 = tl.load(in0_ptr + row * in0_stride_row + tl.arange(0, 4)[:, None] * in0_stride_0 + tl.arange(0, 64)[None, :] * in0_stride_1)  # to_8
-    v1 = tl.reshape(in0, (256,))  # flatten_4
-    v2 = v1.to(tl.float32)  # float_9
-    v3 = v2 * v2  # pow_6
-    v4 = tl.expand_dims(tl.sum(v3, axis=0), 0) / 256.0  # mean_5
-    v5 = v4 + 1e-06  # add_50
-    v6 = tl.rsqrt(v5)  # rsqrt_5
-    v7 = tl.reshape(v2, (4, 64))  # unflatten_6
-    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 256) * out0_stride_0, v2)
-    tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 1) * out1_stride_0, v6)
-    tl.store(out2_ptr + row * out2_stride_row + tl.arange(0, 4)[:, None] * out2_stride_0 + tl.arange(0, 64)[None, :] * out2_stride_1, v7)
+    in0 = tl.load(in0_ptr + row * in0_stride_row + tl.arange(0, 4)[:, None] * in0_stride_0 + tl.arange(0, 64)[None, :] * in0_stride_1)  # hidden_states
+    in1 = tl.load(in1_ptr + row * in1_stride_row + tl.arange(0, 4) * in1_stride_0)  # add_2
+    v2 = tl.reshape(in0, (256,))  # flatten
+    v3 = v2.to(tl.float32)  # float_1
+    v4 = tl.expand_dims(in1, 1)  # unsqueeze
+    v5 = tl.reshape(v3, (4, 64))  # unflatten_1
+    v6 = v4 * v5  # mul_5
+    v7 = tl.sum(v6, axis=0)  # sum_40
+    v8 = to_bf16(v7)  # to
+    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 64) * out0_stride_0, v8)
 
 
 
-def launch(in0):
-    """Run generic_29fe460308d1_kernel: returns (out0, out1, out2,)."""
+def launch(in0, in1):
+    """Run generic_0205d1784a10_kernel: returns (out0,)."""
     n_rows = in0.shape[0]
-    out0 = torch.empty((n_rows, 256), dtype=torch.float32, device=in0.device)
-    out1 = torch.empty((n_rows, 1), dtype=torch.float32, device=in0.device)
-    out2 = torch.empty((n_rows, 4, 64), dtype=torch.float32, device=in0.device)
+    out0 = torch.empty((n_rows, 64), dtype=torch.bfloat16, device=in0.device)
     if n_rows > 0:
-        generic_29fe460308d1_kernel[(n_rows,)](
+        generic_0205d1784a10_kernel[(n_rows,)](
             in0, in0.stride(0), in0.stride(1), in0.stride(2),
+            in1, in1.stride(0), in1.stride(1),
             out0, out0.stride(0), out0.stride(1),
-            out1, out1.stride(0), out1.stride(1),
-            out2, out2.stride(0), out2.stride(1), out2.stride(2),
             num_warps=1,
         )
-    return (out0, out1, out2,)
+    return (out0,)

@@ -3,10 +3,9 @@
 # params:  -
 # in0: torch.complex64 [64, 8]
 # in1: torch.int64 [T]
-# in2: torch.bfloat16 [T, 4, 16]
-# in3: torch.bfloat16 [T, 4, 16]
-# out0 -> torch.complex64 [T, 8]
-# out1 -> torch.bfloat16 [T, 4, 32]
+# in2: torch.float32 [T, 16]
+# in3: torch.float32 [T, 16]
+# out0 -> torch.bfloat16 [T, 32]
 import torch
 import triton
 import triton.language as tl
@@ -22,49 +21,41 @@ def to_bf16(x):
 
 
 @triton.jit
-def generic_99a36d4211d4_kernel(
+def generic_934f8dcf821c_kernel(
     in0_ptr, in0_stride_0, in0_stride_1, in0_stride_2,
     in1_ptr, in1_stride_row,
-    in2_ptr, in2_stride_row, in2_stride_0, in2_stride_1,
-    in3_ptr, in3_stride_row, in3_stride_0, in3_stride_1,
-    out0_ptr, out0_stride_row, out0_stride_0, out0_stride_1,
-    out1_ptr, out1_stride_row, out1_stride_0, out1_stride_1,
+    in2_ptr, in2_stride_row, in2_stride_0,
+    in3_ptr, in3_stride_row, in3_stride_0,
+    out0_ptr, out0_stride_row, out0_stride_0,
 ):
     row = tl.program_id(0).to(tl.int64)
-    in0 = tl.load(in2_ptr + row * in2_stride_row + tl.arange(0, 4)[:, None] * in2_stride_0 + tl.arange(0, 16)[None, :] * in2_stride_1)  # getitem_13
-    in1 = tl.load(in3_ptr + row * in3_stride_row + tl.arange(0, 4)[:, None] * in3_stride_0 + tl.arange(0, 16)[None, :] * in3_stride_1)  # getitem_12
+    in0 = tl.load(in2_ptr + row * in2_stride_row + tl.arange(0, 16) * in2_stride_0)  # getitem_15
+    in1 = tl.load(in3_ptr + row * in3_stride_row + tl.arange(0, 16) * in3_stride_0)  # getitem_14
     v2_idx = tl.load(in1_ptr + row * in1_stride_row)  # positions
     v2 = tl.load(in0_ptr + v2_idx * in0_stride_0 + tl.arange(0, 8)[:, None] * in0_stride_1 + tl.arange(0, 2)[None, :] * in0_stride_2)  # getitem_9
     v2_re, v2_im = tl.split(v2)
-    v3_re, v3_im = tl.expand_dims(v2_re, 0), tl.expand_dims(v2_im, 0)  # unsqueeze_1
-    v4 = in0.to(tl.float32)  # float_5
-    v5 = tl.reshape(v4, (4, 8, 2))  # unflatten_2
-    v6_re, v6_im = tl.split(v5)  # view_as_complex
-    v7_re, v7_im = v6_re * v3_re - v6_im * v3_im, v6_re * v3_im + v6_im * v3_re  # mul_11
-    v8 = tl.join(v7_re, v7_im)  # view_as_real
-    v9 = tl.reshape(v8, (4, 16))  # flatten_1
-    v10 = to_bf16(v9)  # to_4
-    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 8)[:, None] * out0_stride_0 + tl.arange(0, 2)[None, :] * out0_stride_1, tl.join(v2_re, v2_im))
-    tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 4)[:, None] * out1_stride_0 + (tl.arange(0, 16)[None, :] + 0) * out1_stride_1, in1)
-    tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 4)[:, None] * out1_stride_0 + (tl.arange(0, 16)[None, :] + 16) * out1_stride_1, v10)
+    v3 = tl.reshape(in0, (8, 2))  # unflatten_3
+    v4_re, v4_im = tl.split(v3)  # view_as_complex_1
+    v5_re, v5_im = v4_re * v2_re - v4_im * v2_im, v4_re * v2_im + v4_im * v2_re  # mul_14
+    v6 = tl.join(v5_re, v5_im)  # view_as_real_1
+    v7 = tl.reshape(v6, (16,))  # flatten_2
+    tl.store(out0_ptr + row * out0_stride_row + (tl.arange(0, 16) + 0) * out0_stride_0, to_bf16(in1))
+    tl.store(out0_ptr + row * out0_stride_row + (tl.arange(0, 16) + 16) * out0_stride_0, to_bf16(v7))
 
 
 
 def launch(in0, in1, in2, in3):
-    """Run generic_99a36d4211d4_kernel: returns (out0, out1,)."""
+    """Run generic_934f8dcf821c_kernel: returns (out0,)."""
     n_rows = in1.shape[0]
-    out0 = torch.empty((n_rows, 8), dtype=torch.complex64, device=in1.device)
-    out1 = torch.empty((n_rows, 4, 32), dtype=torch.bfloat16, device=in1.device)
+    out0 = torch.empty((n_rows, 32), dtype=torch.bfloat16, device=in1.device)
     in0_pairs = torch.view_as_real(in0.resolve_conj())  # complex64 as float pairs
-    out0_pairs = torch.view_as_real(out0.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        generic_99a36d4211d4_kernel[(n_rows,)](
+        generic_934f8dcf821c_kernel[(n_rows,)](
             in0_pairs, in0_pairs.stride(0), in0_pairs.stride(1), in0_pairs.stride(2),
             in1, in1.stride(0),
-            in2, in2.stride(0), in2.stride(1), in2.stride(2),
-            in3, in3.stride(0), in3.stride(1), in3.stride(2),
-            out0_pairs, out0_pairs.stride(0), out0_pairs.stride(1), out0_pairs.stride(2),
-            out1, out1.stride(0), out1.stride(1), out1.stride(2),
+            in2, in2.stride(0), in2.stride(1),
+            in3, in3.stride(0), in3.stride(1),
+            out0, out0.stride(0), out0.stride(1),
             num_warps=1,
         )
-    return (out0, out1,)
+    return (out0,)
