@@ -311,24 +311,28 @@ class _Lowerer:
         self.shapes[node] = self.block_shape(node)
         self.dtypes[node] = dtype
 
-    def load(self, operand: Operand, node: fx.Node, row: str = "row"):
+    def load(self, operand: Operand, node: fx.Node):
         if node in self.gathered:
             return
+        row = f"row * {operand.name}_stride_row" if operand.has_rows else None
+        self._emit_load(node, self.fresh(node, "in"), operand, row)
+
+    def _emit_load(self, node: fx.Node, name: str, operand: Operand, row: str | None, first_stride: int = 0):
+        """``name = tl.load(...)`` of ``node``'s block from ``operand``: ``row`` offsets the
+        pointer to this token's row; block dim i uses stride ``first_stride + i``."""
         shape = operand.shape
         rank = len(shape) + (1 if operand.complex else 0)
-        terms = [f"{operand.name}_ptr"]
-        if operand.has_rows:
-            terms.append(f"{row} * {operand.name}_stride_row")
+        terms = [f"{operand.name}_ptr"] + ([row] if row else [])
         for axis in range(len(shape)):
-            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
+            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{first_stride + axis}")
         if operand.complex:
-            terms.append(f"{_pair_index(rank)} * {operand.name}_stride_{len(shape)}")
+            terms.append(f"{_pair_index(rank)} * {operand.name}_stride_{first_stride + len(shape)}")
         mask = self.mask(node)
         if mask and operand.complex:
             mask = f"({mask})[..., None]" if len(shape) else None
         extra = f", mask={mask}, other=0.0" if mask else ""
-        name = self.fresh(node, "in")
         self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
+        self.names[node] = name
         self._finish_pair_load(node, name, operand)
 
     def _finish_pair_load(self, node, name, operand):
@@ -500,20 +504,7 @@ class _Lowerer:
         t, i = ops[table], ops[index]
         self.lines.append(f"{name}_idx = tl.load({i.name}_ptr + row * {i.name}_stride_row)  # {index.name}")
         gathered = Operand(t.name, table.name, t.shape[1:], t.dtype, True)
-        shape = gathered.shape
-        rank = len(shape) + (1 if gathered.complex else 0)
-        terms = [f"{t.name}_ptr", f"{name}_idx * {t.name}_stride_0"]
-        for axis in range(len(shape)):
-            terms.append(f"{self.axis_index(node, axis, rank)} * {t.name}_stride_{axis + 1}")
-        if gathered.complex:
-            terms.append(f"{_pair_index(rank)} * {t.name}_stride_{len(shape) + 1}")
-        mask = self.mask(node)
-        if mask and gathered.complex:
-            mask = f"({mask})[..., None]" if len(shape) else None
-        extra = f", mask={mask}, other=0.0" if mask else ""
-        self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
-        self.names[node] = name
-        self._finish_pair_load(node, name, gathered)
+        self._emit_load(node, name, gathered, f"{name}_idx * {t.name}_stride_0", first_stride=1)
 
     def reduce(self, node: fx.Node, cop: COp):
         src = cop.args[0]
