@@ -314,18 +314,3 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
     if position is None:
         return None
     return Region(nodes, inputs, outputs, region.template, region.match, covered, position)
-
-
-def build_regions(graph: fx.Graph, cops: dict[fx.Node, COp], matches: list[Match]):
-    """Regions for the matches (those that can be placed) and for the unclaimed glue."""
-    builder = RegionBuilder(graph, cops)
-    regions, rejections, taken = [], [], set()
-    for match in matches:
-        result = builder.from_match(match)
-        if isinstance(result, Region):
-            regions.append(result)
-            taken |= result.covered
-        else:
-            rejections.append(result)
-    regions += builder.generic(taken)
-    return regions, rejections
