@@ -28,6 +28,7 @@ import inspect
 import operator
 import os
 import sys
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ _LIBRARY_DIRS = tuple(
     for m in (torch, inspect, fx)
     if getattr(m, "__file__", None)
 )
+
+
+_TRACE_LOCK = threading.RLock()
 
 
 class TraceRefused(Exception):
@@ -459,7 +463,9 @@ def trace(
         leaf_functions=[x for x in leaves if callable(x) and not isinstance(x, type)]
         + (opaque_functions_of(module) if isinstance(module, torch.nn.Module) else []),
     )
-    with preserved_state(module, example_inputs), torch.no_grad():
+    # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
+    # one trace at a time, so concurrent apply() calls never see each other's patches.
+    with _TRACE_LOCK, preserved_state(module, example_inputs), torch.no_grad():
         graph = tracer.trace_with_shadows(module, example_inputs, grown)
     _drop_unused_size_reads(graph)
     return Traced(
