@@ -248,7 +248,7 @@ class Canonicalizer:
 
     def _row_gather(self, table, index) -> bool:
         """``table[index]``: one row of a token-independent table per token (an embedding lookup)."""
-        if not isinstance(index, fx.Node) or self.batch_dims(table):
+        if not isinstance(index, fx.Node) or self.batch_dims(table) or self.value(table).dtype not in _KERNEL_DTYPES:
             return False
         idx = self.value(index)
         return (
