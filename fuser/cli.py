@@ -63,6 +63,41 @@ def cmd_check(args) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_profile(args) -> int:
+    from fuser.profile import profile
+
+    module, inputs = load_factory(args.target)()
+    chains = profile(module, inputs, **_options(args))
+    where = "eager CUDA time" if any(c.gpu_us is not None for c in chains) else "eager kernel launches"
+    print(f"glue chains of {type(module).__name__}, costliest first ({where}):")
+    for chain in chains:
+        print("  " + chain.describe())
+    return 0
+
+
+def cmd_suggest(args) -> int:
+    from fuser.profile import profile, skeleton, suggestion_target
+
+    module, inputs = load_factory(args.target)()
+    from fuser.api import plan
+
+    chains = profile(module, inputs, **_options(args))
+    target = suggestion_target(chains)
+    if target is None:
+        print("fuser: every glue chain is already claimed by a pattern", file=sys.stderr)
+        return 1
+    traced = plan(module, inputs, validate=False, **_options(args)).traced
+    nodes = {n.name: n for n in traced.graph.nodes}
+    target.nodes = [nodes[n.name] for n in target.nodes]
+    source = skeleton(target, traced, Path(args.out).stem if args.out else "new_chain")
+    if args.out:
+        Path(args.out).write_text(source)
+        print(f"wrote {args.out} for: {target.describe()}")
+    else:
+        print(source)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from fuser import bench
 
@@ -88,6 +123,17 @@ def main(argv=None) -> int:
         p.add_argument("--leaf", action="append", help="a submodule name to keep opaque (repeatable)")
         p.add_argument("--patterns", action="append", help="an extra pattern file or directory (repeatable)")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("profile", help="rank the glue chains by cost, with what fuser does to each")
+    p.add_argument("target", metavar="FILE.py:FACTORY")
+    p.add_argument("--leaf", action="append")
+    p.add_argument("--patterns", action="append")
+    p.set_defaults(fn=cmd_profile)
+    p = sub.add_parser("suggest", help="draft a pattern file for the costliest chain no pattern claims")
+    p.add_argument("target", metavar="FILE.py:FACTORY")
+    p.add_argument("-o", "--out", help="write the pattern file here (default: print it)")
+    p.add_argument("--leaf", action="append")
+    p.add_argument("--patterns", action="append")
+    p.set_defaults(fn=cmd_suggest)
     p = sub.add_parser("bench", help="eager vs torch.compile vs fuser on the GPU, each replayed in a CUDA graph")
     p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
     p.add_argument("--tokens", default="1,8,32,128,512", help="token counts (comma-separated)")
