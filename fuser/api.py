@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -77,10 +79,16 @@ def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]
     return values
 
 
+# Triton's CPU interpreter swaps triton.language functions in and out around every launch,
+# so two threads must not run interpreted kernels at once (compiled GPU kernels may).
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _validate(kernel: Kernel, values) -> str | None:
     region = kernel.region
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
             got = kernel.launch(*[values[n] for n in region.inputs])
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run stays unspliced
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""

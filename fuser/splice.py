@@ -2,10 +2,11 @@
 
 The fused forward is Python generated from the rewritten fx graph with ``self`` as the root,
 bound to the original module: parameters, buffers and leaves are looked up on the live
-module at every call, so nothing is copied, ``state_dict`` is unchanged and weights loaded
-later are seen. ``module.forward`` becomes a guarded wrapper that runs the fused graph only
-when the call looks like the traced one (dtypes, devices, non-token sizes, the user's own
-predicate) and the original forward otherwise. :func:`restore` undoes it.
+module at every call, so nothing is copied and ``state_dict`` is unchanged. The exception is
+glue computed from parameters alone (a weight's cast), which apply computes once: re-apply after
+loading new weights. ``module.forward`` becomes a guarded wrapper that runs the fused graph only
+when the call looks like the traced one (dtypes, devices, non-token sizes, at least one token,
+the user's own predicate) and the original forward otherwise. :func:`restore` undoes it.
 """
 
 from __future__ import annotations
@@ -47,11 +48,17 @@ def rewrite_graph(
     origin: dict[fx.Node, fx.Node] = {}
     dead: set[fx.Node] = set()
     for node in graph.nodes:
-        for i, region in at_position.get(node, ()):
-            call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs))
-            call.name = f"fused_{region.pattern}_{i}"
-            for k, out in enumerate(region.outputs):
-                env[out] = new.call_function(operator.getitem, (call, k))
+        pending = list(at_position.get(node, ()))
+        while pending:  # kernels placed at the same point run producers first
+            ready = [(i, r) for i, r in pending if all(a in env for a in r.inputs)]
+            if not ready:
+                raise AssertionError(f"kernels at `{node.name}` wait on each other's outputs")
+            for i, region in ready:
+                call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs))
+                call.name = f"fused_{region.pattern}_{i}"
+                for k, out in enumerate(region.outputs):
+                    env[out] = new.call_function(operator.getitem, (call, k))
+                pending.remove((i, region))
         if node in covered:
             continue
         if node in constants:
