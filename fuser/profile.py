@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon import COMPUTE, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
+from fuser.regions import components
 from fuser.trace import Traced, preserved_state
 
 
@@ -39,23 +40,7 @@ class Chain:
 def glue_chains(traced: Traced, cops) -> list[list[fx.Node]]:
     """Connected glue ops (views included), in graph order."""
     glue = [n for n in traced.graph.nodes if n in cops and is_glue(cops[n])]
-    inside = set(glue)
-    parent = {n: n for n in glue}
-
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for node in glue:
-        for arg in node.all_input_nodes:
-            if arg in inside:
-                parent[find(arg)] = find(node)
-    groups: dict[fx.Node, list] = {}
-    for node in glue:
-        groups.setdefault(find(node), []).append(node)
-    return list(groups.values())
+    return components(glue, set(glue), {}, lambda n: n.all_input_nodes)
 
 
 def gpu_time_per_node(module: torch.nn.Module, traced: Traced) -> dict[str, float]:

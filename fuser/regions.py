@@ -185,7 +185,7 @@ class RegionBuilder:
                 default=0,
             )
         regions = []
-        for component in _components(candidates, pool, depth, self.args_of):
+        for component in components(candidates, pool, depth, self.args_of):
             regions += self._place(component)
         return regions
 
@@ -227,7 +227,7 @@ class RegionBuilder:
         parts = []
         for half in (before, after):
             pool = set(half)
-            for component in _components(half, pool, {n: 0 for n in half}, self.args_of):
+            for component in components(half, pool, {n: 0 for n in half}, self.args_of):
                 parts += self._place(component)
         return parts
 
@@ -240,7 +240,7 @@ def _reads(cop: COp, value: fx.Node) -> bool:
     return any(a is value for a in cop.args)
 
 
-def _components(nodes, pool: set, depth: dict, args_of) -> list[list[fx.Node]]:
+def components(nodes, pool: set, depth: dict, args_of) -> list[list[fx.Node]]:
     """Connected components of ``nodes`` over edges between pool members of equal depth."""
     parent = {n: n for n in nodes}
 
