@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fuser.canon import COMPUTE, INPUT, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
+from fuser.canon import COMPUTE, INPUT, MUTATION, REDUCING, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
 from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
@@ -57,7 +57,7 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
         outputs = [operand(traced, n, f"out{i}") for i, n in enumerate(region.outputs)]
         return KernelSpec(region.template, region.pattern, inputs, outputs, region.params, region.match.sizes)
     program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs)
-    if region.template == "pointwise" and any(cops[n].op in ("sum", "mean", "amax", "amin", "softmax") for n in region.nodes):
+    if region.template == "pointwise" and any(cops[n].op in REDUCING for n in region.nodes):
         raise LoweringError("the pointwise template takes no reductions")
     sizes = dict(region.match.sizes) if region.match else {}
     return KernelSpec(region.template, region.pattern, program.inputs, program.outputs, region.params, sizes, program)

@@ -50,6 +50,7 @@ UNARY = {
 BINARY = {"add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge"}
 COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne"}
 REDUCTIONS = {"sum", "mean", "amax", "amin"}
+REDUCING = REDUCTIONS | {"softmax"}  # ops that combine values along an axis
 ELEMENTWISE = UNARY | BINARY | {"clamp", "softplus", "where", "cast"}
 
 HEAVY_FUNCTIONS = {

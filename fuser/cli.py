@@ -67,7 +67,7 @@ def cmd_profile(args) -> int:
     from fuser.profile import profile
 
     module, inputs = load_factory(args.target)()
-    chains = profile(module, inputs, **_options(args))
+    chains = profile(module, inputs, **_options(args)).chains
     where = "eager CUDA time" if any(c.gpu_us is not None for c in chains) else "eager kernel launches"
     print(f"glue chains of {type(module).__name__}, costliest first ({where}):")
     for chain in chains:
@@ -79,17 +79,12 @@ def cmd_suggest(args) -> int:
     from fuser.profile import profile, skeleton, suggestion_target
 
     module, inputs = load_factory(args.target)()
-    from fuser.api import plan
-
-    chains = profile(module, inputs, **_options(args))
-    target = suggestion_target(chains)
+    result = profile(module, inputs, **_options(args))
+    target = suggestion_target(result.chains)
     if target is None:
         print("fuser: every glue chain is already claimed by a pattern", file=sys.stderr)
         return 1
-    traced = plan(module, inputs, validate=False, **_options(args)).traced
-    nodes = {n.name: n for n in traced.graph.nodes}
-    target.nodes = [nodes[n.name] for n in target.nodes]
-    source = skeleton(target, traced, Path(args.out).stem if args.out else "new_chain")
+    source = skeleton(target, result.traced, result.cops, Path(args.out).stem if args.out else "new_chain")
     if args.out:
         Path(args.out).write_text(source)
         print(f"wrote {args.out} for: {target.describe()}")

@@ -151,7 +151,6 @@ class _Lowerer:
         self.traced, self.cops = traced, cops
         self.nodes, self.inputs, self.outputs = list(nodes), list(inputs), list(outputs)
         self.names: dict[fx.Node, str] = {}
-        self.shapes: dict[fx.Node, tuple[int, ...]] = {}
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
         # Inputs read only through a row gather (a table and its indices) are never loaded whole.
@@ -308,7 +307,6 @@ class _Lowerer:
         if dtype not in (torch.float32, torch.bool) and not layout_only:
             expr = rounded(expr, dtype)
         self.lines.append(f"{name} = {expr}  # {node.name}")
-        self.shapes[node] = self.block_shape(node)
         self.dtypes[node] = dtype
 
     def load(self, operand: Operand, node: fx.Node):
@@ -336,7 +334,6 @@ class _Lowerer:
         self._finish_pair_load(node, name, operand)
 
     def _finish_pair_load(self, node, name, operand):
-        self.shapes[node] = operand.shape
         self.dtypes[node] = operand.dtype
         if operand.complex:
             self.lines.append(f"{name}_re, {name}_im = tl.split({name})")
@@ -436,7 +433,7 @@ class _Lowerer:
         op, args = cop.op, cop.args
         name = self.fresh(node)
         value = self.traced.value(node)
-        self.shapes[node], self.dtypes[node] = self.block_shape(node), value.dtype
+        self.dtypes[node] = value.dtype
         src = self.names.get(args[0]) if args and isinstance(args[0], fx.Node) else None
 
         def pair(re: str, im: str):
@@ -508,13 +505,11 @@ class _Lowerer:
 
     def reduce(self, node: fx.Node, cop: COp):
         src = cop.args[0]
-        src_rank = self.traced.value(src).dim()
-        batch = self.traced.batch_dims(src)
         dims = cop.attr("dim")
-        if set(dims) & set(batch):
+        if set(dims) & set(self.traced.batch_dims(src)):
             raise LoweringError(f"`{node.name}` reduces across tokens (dims {dims})")
-        axes = [d - (1 if batch else 0) for d in dims]
-        shape = self.shapes[src]
+        axes = self._block_axes(cop)
+        shape = self.block_shape(src)
         if cop.op == "softmax":
             axis = axes[0]
             m = self.masked(src, "float('-inf')")

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon import COMMUTATIVE, INPUT, META, COp, canonicalize
-from fuser.pattern import IntParam, Param, Pattern, is_param
+from fuser.pattern import Param, Pattern, is_param
 from fuser.trace import Traced, trace
 
 EXAMPLE_T = 3
@@ -423,4 +423,4 @@ def _size(pattern: Pattern) -> int:
     return sum(1 for c in pg.cops.values() if c.kind != INPUT)
 
 
-__all__ = ["Match", "Rejection", "match_all", "match_pattern", "trace_pattern", "IntParam"]
+__all__ = ["Match", "Rejection", "match_all", "match_pattern", "trace_pattern"]

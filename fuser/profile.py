@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fuser.canon import COMPUTE, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
+from fuser.canon import COMPUTE, REDUCING, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
 from fuser.regions import components
 from fuser.trace import Traced, preserved_state
 
@@ -65,7 +65,14 @@ def gpu_time_per_node(module: torch.nn.Module, traced: Traced) -> dict[str, floa
     return times
 
 
-def profile(module: torch.nn.Module, example_inputs, **options) -> list[Chain]:
+@dataclass
+class Profile:
+    chains: list[Chain]  # costliest first
+    traced: Traced
+    cops: dict
+
+
+def profile(module: torch.nn.Module, example_inputs, **options) -> Profile:
     """The module's glue chains, costliest first, each with what fuser does to it."""
     from fuser.api import plan
 
@@ -91,7 +98,7 @@ def profile(module: torch.nn.Module, example_inputs, **options) -> list[Chain]:
             )
         )
     chains.sort(key=lambda c: (-(c.gpu_us or 0.0), -c.launches))
-    return chains
+    return Profile(chains, traced, cops)
 
 
 def suggestion_target(chains: list[Chain]) -> Chain | None:
@@ -102,9 +109,8 @@ def suggestion_target(chains: list[Chain]) -> Chain | None:
     return None
 
 
-def skeleton(chain: Chain, traced: Traced, name: str) -> str:
+def skeleton(chain: Chain, traced: Traced, cops, name: str) -> str:
     """Source of a pattern file whose reference is the chain's own computation."""
-    cops = canonicalize(traced)
     nodes = [n for n in chain.nodes if cops[n].kind in (COMPUTE, UNIT_VIEW, VIEW, UNSUPPORTED)]
     inside = set(nodes)
     inputs = []
@@ -126,7 +132,7 @@ def skeleton(chain: Chain, traced: Traced, name: str) -> str:
     body = graph.python_code(root_module="self").src
     body = body.replace("def forward(self, ", "def reference(").replace("def forward(self)", "def reference()")
     body = re.sub(r";\s+(?:\w+\s*=\s*)+None", "", body).rstrip() + "\n"  # fx's early frees: noise here
-    reducing = any(cops[n].op in ("sum", "mean", "amax", "amin", "softmax") for n in nodes)
+    reducing = any(cops[n].op in REDUCING for n in nodes)
     specs = "\n".join(
         f"        {arg}=tensor({_dims(traced, node)!r}, {str(traced.value(node).dtype).replace('torch.', '')!r}),"
         for arg, node in zip(arg_names, inputs)

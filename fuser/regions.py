@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from fuser.canon import COMPUTE, HEAVY, INPUT, MUTATION, UNIT_VIEW, VIEW, COp
+from fuser.canon import COMPUTE, HEAVY, INPUT, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
 from fuser.lower import SUPPORTED_OPS
 from fuser.match import Match, Rejection
 
@@ -213,7 +213,7 @@ class RegionBuilder:
         if position is not None:
             if sum(1 for n in covered if self.cops[n].kind == COMPUTE) < 2:
                 return []  # one op alone gains nothing from a kernel of its own
-            template = "row_reduce" if any(self.cops[n].op in _REDUCING for n in nodes) else "pointwise"
+            template = "row_reduce" if any(self.cops[n].op in REDUCING for n in nodes) else "pointwise"
             # A node folded into another (sum into mean) is computed by that one.
             absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
             lowered = [n for n in lowered if n not in absorbed]
@@ -232,7 +232,6 @@ class RegionBuilder:
         return parts
 
 
-_REDUCING = {"sum", "mean", "amax", "amin", "softmax"}
 _RECOMPUTABLE = {"gather_rows", "reshape", "expand", "conj", "cast"}
 
 
@@ -276,10 +275,6 @@ def _alias_classes(graph: fx.Graph, cops: dict[fx.Node, COp]) -> dict[fx.Node, f
             base = cop.args[0]
             if isinstance(base, fx.Node):
                 parent[find(node)] = find(base)
-        if node.op == "call_method" and cop and cop.kind == COMPUTE and node.args:
-            src = node.args[0]
-            if isinstance(src, fx.Node) and cop.op == "identity":
-                parent[find(node)] = find(src)
     return {n: find(n) for n in graph.nodes}
 
 

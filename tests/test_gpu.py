@@ -77,7 +77,7 @@ def test_fused_layer_replays_in_a_cuda_graph():
     with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
         out = module(*static)
     # The warm-ups wrote the kv cache; replay from the same state the eager run starts from.
-    for (name, buffer), (_, initial) in zip(module.named_buffers(), fresh.named_buffers()):
+    for (_, buffer), (_, initial) in zip(module.named_buffers(), fresh.named_buffers()):
         buffer.copy_(initial)
     graph.replay()
     torch.cuda.synchronize()

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import (
-    NotClaimed,
     assert_claimed,
     assert_close,
     eager_call,
