@@ -9,10 +9,12 @@ TRITON ?= 3.6.0
 
 .PHONY: demo test gpu-test clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile tests/sglang_env/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==$(TORCH) triton==$(TRITON) numpy
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps sglang==0.5.23 apache-tvm-ffi==0.1.11
+	$(BIN)/pip install -q --disable-pip-version-check -r tests/sglang_env/requirements.txt
 	touch $@
 
 demo: $(VENV)/.installed

@@ -5,6 +5,7 @@
 """
 
 from fuser.api import CheckResult, FuserError, apply, check, explain, plan
+from fuser.emit import CaptureCompileError
 from fuser.opaque import is_opaque, opaque
 from fuser.pattern import Param, PatternError, tensor
 from fuser.report import Report
@@ -13,5 +14,5 @@ from fuser.trace import TraceRefused, trace
 
 __all__ = [
     "apply", "restore", "explain", "check", "plan", "trace", "opaque", "is_opaque", "is_fused",
-    "Param", "tensor", "Report", "CheckResult", "FuserError", "PatternError", "TraceRefused",
+    "Param", "tensor", "Report", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
 ]  # fmt: skip

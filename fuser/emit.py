@@ -163,7 +163,43 @@ def emit(spec: KernelSpec) -> tuple[Path, Callable]:
         module_spec = importlib.util.spec_from_file_location(f"fuser_kernels.{stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+        for value in vars(module).values():
+            forbid_compile_during_capture(value, path)
         launch = module.launch
         launch.__qualname__ = launch.__name__ = f"{stem}"
         _LOADED[stem] = launch
         return path, launch
+
+
+class CaptureCompileError(RuntimeError):
+    """A fused kernel would have been JIT-compiled inside a CUDA-graph capture."""
+
+
+def forbid_compile_during_capture(kernel, path: Path) -> None:
+    """Make a Triton kernel raise instead of compiling while the current stream captures.
+
+    Triton compiles one binary per *specialisation* (integer arguments equal to 1 or divisible
+    by 16, pointer alignment) at its first launch; a compile inside ``torch.cuda.graph`` would
+    sync and allocate in the middle of the capture and leave a broken graph. fuser compiles
+    every kernel when it validates it at apply time, and the engine's warm-ups at each captured
+    shape compile any other specialisation before capturing it; this turns a specialisation that
+    slipped through into a clear error. Only a cache miss pays for the check.
+    """
+    compile_ = getattr(kernel, "_do_compile", None)  # triton.runtime.jit.JITFunction (3.6, 3.8)
+    if compile_ is None or not callable(compile_):
+        return  # the interpreter, or a Triton without this hook: nothing is compiled here
+
+    def compile_unless_capturing(*args, **kwargs):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+            raise CaptureCompileError(
+                f"{path}: {name} would be JIT-compiled for a new Triton specialisation while a CUDA "
+                "graph is being captured. Run the fused module once at this shape before capturing "
+                "it (sglang's two warm-ups per batch size do), or apply fuser with example inputs "
+                "whose strides and alignment match the captured ones."
+            )
+        return compile_(*args, **kwargs)
+
+    kernel._do_compile = compile_unless_capturing
