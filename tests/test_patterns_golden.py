@@ -9,6 +9,8 @@ fused by that pattern, with the expected template and captured parameters.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -40,6 +42,26 @@ TRACE_T = 3  # the token count fuser traces at
 TOKENS = (1, 3, 16)  # token counts the fused module is called at
 
 DTYPES = [pytest.param(BF16, id="bfloat16"), pytest.param(FP16, id="float16"), pytest.param(FP32, id="float32")]
+
+
+#: where golden() runs: the CPU (Triton's interpreter) in CI; tests whose outputs come from
+#: golden() also get a "cuda" variant, marked gpu, for compiled kernels (``pytest -m gpu``).
+DEVICE = ["cpu"]
+
+
+def pytest_generate_tests(metafunc):
+    uses_golden = "golden(" in inspect.getsource(metafunc.function)
+    devices = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if uses_golden else [])
+    metafunc.parametrize("device", devices)
+
+
+@pytest.fixture(autouse=True)
+def _golden_device(device):
+    if device == "cuda":
+        assert torch.cuda.is_available(), "the cuda golden tests need a CUDA device (pytest -m gpu)"
+    DEVICE[0] = device
+    yield
+    DEVICE[0] = "cpu"
 
 
 def test_tolerance_table_is_fusers():
@@ -165,7 +187,9 @@ def golden(name, module, make_inputs, reference, *, template, params=None, token
     """Fuse ``module`` at TRACE_T; at every T in ``tokens`` the fused output must match
     ``reference(inputs)`` within KERNEL_TOLERANCE; then the report must show ``name`` fusing
     the whole chain. Returns the report."""
-    cases = {T: make_inputs(T) for T in sorted(set(tokens) | {TRACE_T})}
+    device = torch.device(DEVICE[0])
+    module.to(device)
+    cases = {T: tuple(a.to(device) for a in make_inputs(T)) for T in sorted(set(tokens) | {TRACE_T})}
     expected = {T: reference(*args) for T, args in cases.items()}
     for T, args in cases.items():
         assert_identical(eager_call(module, *args), expected[T], f"eager at T={T}")
