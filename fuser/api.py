@@ -38,6 +38,7 @@ class Kernel:
     region: Region
     path: Any
     launch: Callable
+    spec: KernelSpec | None = None
 
 
 @dataclass
@@ -138,7 +139,7 @@ def plan(
                 failed.update({n: f"generic chain not lowered: {e}" for n in region.nodes})
             return False
         path, launch = emit(spec)
-        kernels.append(Kernel(region, path, launch))
+        kernels.append(Kernel(region, path, launch, spec))
         return True
 
     taken: set = set()
@@ -222,7 +223,7 @@ def _widen(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) 
         except LoweringError:
             continue
         path, launch = emit(spec)
-        kernels[i] = Kernel(region, path, launch)
+        kernels[i] = Kernel(region, path, launch, spec)
         covered |= region.covered
 
 

@@ -7,10 +7,12 @@ the bandwidth they reach against a copy measured in the same run.
 
 Telling glue from heavy kernels: one eager (non-graph) forward runs with a marker kernel
 (``torch.cuda._sleep``) launched before and after every opaque leaf; kernels between markers
-belong to a leaf, GEMM kernels are known by name, the rest is glue. Graph replay runs the same
-kernels in the same order, so the replay's kernels take their class by position. Leaves are
-kept out of torch.compile (as sglang keeps its custom ops), so all three variants run the same
-leaves and differ in the glue only.
+belong to a leaf, GEMM kernels are known by name, the rest is glue. A leaf that wraps other
+modules (a side-stream region) gets no markers: the glue inside it is glue, which a nested
+``fuser.apply`` fuses (``run(..., fuse=...)``). Graph replay runs the same kernels in the same
+order, so the replay's kernels take their class by position. Leaves are kept out of
+torch.compile (as sglang keeps its custom ops), so all three variants run the same leaves and
+differ in the glue only.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class BenchResult:
     rows: list[Row] = field(default_factory=list)
     bandwidth: list[Bandwidth] = field(default_factory=list)
     fuser_report: dict = field(default_factory=dict)
+    nested_reports: dict = field(default_factory=dict)  # submodule name -> report, applies inside leaves
 
     def json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -74,6 +77,12 @@ class BenchResult:
             "",
             f"{s['gpu']}, torch {s['torch']}, triton {s['triton']}, commit {s['commit']}, {s['date']}",
             "",
+        ]
+        if s.get("gpu_tests"):
+            t = s["gpu_tests"]
+            verdict = {True: "passed", False: "FAILED", None: "not run"}[t["passed"]]
+            lines += [f"GPU tests (`{t['command']}`) on this code: {verdict} — {t['summary']}", ""]
+        lines += [
             "Each variant captured in a CUDA graph (sglang's protocol: two warm-ups on a side stream,",
             "shared pool) and replayed; times are per layer per decode step.",
             "",
@@ -101,17 +110,19 @@ def stamp() -> dict:
 
     import triton
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("FUSER_COMMIT", "")  # set it where the checkout's .git is stale or absent
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+            ).stdout.strip()
+        except OSError:
+            pass
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": commit or os.environ.get("FUSER_COMMIT", "unknown"),
+        "commit": commit or "unknown",
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -148,9 +159,12 @@ _MARKING = [False]  # set while kernel_classes profiles: leaves then launch mark
 def mark_leaves(module: torch.nn.Module, *, keep_from_dynamo: bool = False) -> None:
     """Wrap every opaque leaf's forward so that, while ``_MARKING`` is set, a marker kernel runs
     before and after it. With ``keep_from_dynamo`` the wrapper is also kept out of
-    torch.compile, so compiled and eager variants run the very same leaves eagerly."""
+    torch.compile, so compiled and eager variants run the very same leaves eagerly.
+
+    A leaf that wraps other modules (a side-stream region: its work is its children's) is left
+    as it is: their GEMMs are heavy by name, their glue stays glue, and torch.compile sees it."""
     for m in module.modules():
-        if not is_opaque(type(m)):
+        if not is_opaque(type(m)) or next(m.children(), None) is not None:
             continue
         inner = m.forward
 
@@ -215,16 +229,27 @@ def profile_replay(graph, classes: list[tuple[str, str]], replays: int = 5):
     return len(glue), sum(d for _, d in glue), per - len(glue), note, totals
 
 
-def run(factory: Callable, target: str, tokens=(1, 8, 32, 128, 512), variants=("eager", "compile", "fuser")) -> BenchResult:
+def run(
+    factory: Callable,
+    target: str,
+    tokens=(1, 8, 32, 128, 512),
+    variants=("eager", "compile", "fuser"),
+    fuse: Callable | None = None,
+) -> BenchResult:
+    """``fuse(module, inputs)`` fuses the fuser variant in place and returns its plans by
+    submodule name, ``""`` the module itself (for nested applies inside leaves); by default
+    ``fuser.apply`` on the module."""
     import fuser
 
     result = BenchResult(target=target, stamp=stamp(), copy_gbps=copy_bandwidth_gbps())
     eager_module, _ = factory(T=tokens[0], device="cuda")
     mark_leaves(eager_module)
     fused_module, fused_inputs = factory(T=tokens[0], device="cuda")
-    plan = fuser.api.apply_plan(fused_module, fused_inputs)  # one trace serves every T below
+    # One trace serves every T below.
+    plans = fuse(fused_module, fused_inputs) if fuse else {"": fuser.api.apply_plan(fused_module, fused_inputs)}
     mark_leaves(fused_module)
-    result.fuser_report = plan.report.to_json()
+    result.fuser_report = plans[""].report.to_json()
+    result.nested_reports = {name: p.report.to_json() for name, p in plans.items() if name}
     compiled = None
     if "compile" in variants:
         compile_module, _ = factory(T=tokens[0], device="cuda")
@@ -254,27 +279,28 @@ def run(factory: Callable, target: str, tokens=(1, 8, 32, 128, 512), variants=("
             glue_n, glue_us, heavy_n, note, totals = profile_replay(graph, classes)
             result.rows.append(Row(variant, T, layer_us, glue_n, glue_us, heavy_n, compile_s, note))
             if variant == "fuser" and T == max(tokens):
-                result.bandwidth = _bandwidth(plan, totals, T, result.copy_gbps)
+                result.bandwidth = _bandwidth(list(plans.values()), totals, T, result.copy_gbps)
             del capture, graph
     return result
 
 
-def _bandwidth(plan, totals: dict, T: int, copy_gbps: float, top: int = 3) -> list[Bandwidth]:
+def _bandwidth(plans: list, totals: dict, T: int, copy_gbps: float, top: int = 3) -> list[Bandwidth]:
     """Bytes each fused kernel reads and writes at T tokens, over its measured time."""
     rows = []
-    for kernel in plan.kernels:
-        name = f"{kernel.path.stem}_kernel"
-        if name not in totals:
-            continue
-        region = kernel.region
-        moved = 0
-        for node in list(region.inputs) + list(region.outputs):
-            value = plan.traced.value(node)
-            per_row = value[0].numel() if plan.traced.batch_dims(node) else None
-            moved += (per_row * T if per_row is not None else value.numel()) * value.element_size()
-        us = sum(totals[name]) / len(totals[name])
-        gbps = moved / (us * 1e-6) / 1e9
-        rows.append(Bandwidth(kernel.path.stem, T, moved, us, gbps, gbps / copy_gbps))
+    for plan in plans:
+        for kernel in plan.kernels:
+            name = f"{kernel.path.stem}_kernel"
+            if name not in totals:
+                continue
+            region = kernel.region
+            moved = 0
+            for node in list(region.inputs) + list(region.outputs):
+                value = plan.traced.value(node)
+                per_row = value[0].numel() if plan.traced.batch_dims(node) else None
+                moved += (per_row * T if per_row is not None else value.numel()) * value.element_size()
+            us = sum(totals[name]) / len(totals[name])
+            gbps = moved / (us * 1e-6) / 1e9
+            rows.append(Bandwidth(kernel.path.stem, T, moved, us, gbps, gbps / copy_gbps))
     rows.sort(key=lambda b: -b.us)
     seen, unique = set(), []
     for b in rows:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jinja2
 
+from fuser.launch_config import current_gpu, lookup
 from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
 
@@ -37,10 +38,15 @@ class KernelSpec:
     params: dict[str, Any] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     program: RowProgram | None = None
+    warps: int | None = None  # set by the launch-config tuner; else the table, else the heuristic
 
     @property
     def num_warps(self) -> int:
-        return self.program.num_warps if self.program else 1
+        if self.warps is not None:
+            return self.warps
+        if self.program is None:
+            return 1
+        return lookup(self, current_gpu()) or self.program.num_warps
 
 
 _ENV_LOCK = threading.Lock()

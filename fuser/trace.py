@@ -15,8 +15,8 @@ value's type, dtype, device and which dimensions follow the batch:
   correctly and the splice's guard pins it;
 * a batch dimension reads as a proxy (``x.size(0)``), so one trace serves every batch size,
   and a Python branch on it is refused;
-* ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch
-  and direct Triton launches are refused with the file and line that did it.
+* ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch,
+  direct Triton launches and CUDA stream switches are refused with the file and line that did it.
 
 Nothing is ever dropped silently: what cannot be traced raises :class:`TraceRefused`.
 """
@@ -305,7 +305,13 @@ class ShadowTracer(fx.Tracer):
         missing = [n for n, d in defaults.items() if d is inspect.Parameter.empty]
         if missing:
             raise ValueError(f"example_inputs give no value for forward parameters {missing}")
-        with _refuse_direct_kernel_launches(), _refuse_module_rebinding(), _shadow_isinstance(), warnings.catch_warnings():
+        with (
+            _refuse_direct_kernel_launches(),
+            _refuse_stream_switches(self),
+            _refuse_module_rebinding(),
+            _shadow_isinstance(),
+            warnings.catch_warnings(),
+        ):
             # fx warns that baked defaults get no runtime assertion; the splice's guard checks them.
             warnings.filterwarnings("ignore", message="Was not able to add assertion")
             return self.trace(root, concrete_args=defaults or None)
@@ -345,6 +351,58 @@ class _refuse_direct_kernel_launches:
     def __exit__(self, *exc):
         for cls, original in self._patched:
             cls.run = original
+        return False
+
+
+class _refuse_stream_switches:
+    """While tracing, a CUDA stream switch in traced code raises instead of running.
+
+    The fused forward is one sequence of calls on the caller's stream: a fork onto another
+    stream, or a wait between streams, would be run once here and lost from the graph. Leaves
+    keep them: a leaf runs its own code at run time, and while tracing it runs eagerly (for the
+    shadow values) with the tracer's eager depth set, which lets these calls through. Only
+    calls from user code on the tracing thread are refused.
+    """
+
+    # (owner, attribute, what the message calls it)
+    TARGETS = (
+        (torch.cuda.StreamContext, "__enter__", "torch.cuda.stream(...)"),
+        (torch.cuda, "set_stream", "torch.cuda.set_stream"),
+        (torch.cuda.Stream, "wait_stream", "Stream.wait_stream"),
+        (torch.cuda.Stream, "wait_event", "Stream.wait_event"),
+        (torch.cuda.Stream, "record_event", "Stream.record_event"),
+        (torch.cuda.Event, "record", "Event.record"),
+        (torch.cuda.Event, "wait", "Event.wait"),
+    )
+
+    def __init__(self, tracer: ShadowTracer):
+        self.tracer = tracer
+
+    def __enter__(self):
+        self._patched = []
+        tracer, thread = self.tracer, threading.get_ident()
+        for owner, name, what in self.TARGETS:
+            original = vars(owner).get(name)
+            if original is None:
+                continue
+
+            def guarded(*args, __original=original, __what=what, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if threading.get_ident() == thread and not tracer._eager_depth and not _is_library_file(caller):
+                    raise refuse(
+                        f"a CUDA stream switch ({__what}) in traced code; the fused graph runs on one stream",
+                        "Put the side-stream region (the fork, the work on the other stream and the join) "
+                        "in an opaque leaf (@fuser.opaque).",
+                    )
+                return __original(*args, **kwargs)
+
+            setattr(owner, name, guarded)
+            self._patched.append((owner, name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in self._patched:
+            setattr(owner, name, original)
         return False
 
 

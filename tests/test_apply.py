@@ -51,14 +51,14 @@ def fused_layer():
     params = {n: p for n, p in layer.named_parameters()}
     param_ids = {n: id(p) for n, p in params.items()}
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    report = fuser.apply(layer, inputs)
+    report = dsv4.fuse_layer(layer, inputs)[""].report  # the layer, and nested its shared expert
     return layer, inputs, report, param_ids, params, state
 
 
 def test_apply_keeps_the_same_parameter_objects(fused_layer):
     layer, _, report, param_ids, params, _ = fused_layer
     assert report.chains, "nothing was fused"
-    assert fuser.is_fused(layer)
+    assert fuser.is_fused(layer) and fuser.is_fused(layer.get_submodule(dsv4.SHARED_EXPERT))
     after = {n: id(p) for n, p in layer.named_parameters()}
     assert after == param_ids
     for n, p in layer.named_parameters():

@@ -321,6 +321,127 @@ def test_leaves_by_qualified_name():
 
 
 # ---------------------------------------------------------------------------------------------
+# CUDA stream switches: refused in traced code, kept inside leaves
+# ---------------------------------------------------------------------------------------------
+# No CUDA stream or event can be made on the CPU. torch.cuda.stream(None) and set_stream(None) are
+# no-ops there, so without the refusal they would trace silently; the Stream and Event methods are
+# called on a stand-in, so without the refusal they would fail with an AttributeError instead.
+
+
+class NotAStream:
+    """Stands in for a torch.cuda.Stream or Event."""
+
+
+def stream_context():
+    with torch.cuda.stream(None):  # REFUSE-STREAM-CONTEXT
+        pass
+
+
+def set_stream():
+    torch.cuda.set_stream(None)  # REFUSE-SET-STREAM
+
+
+def wait_stream():
+    torch.cuda.Stream.wait_stream(NotAStream(), NotAStream())  # REFUSE-WAIT-STREAM
+
+
+def wait_event():
+    torch.cuda.Stream.wait_event(NotAStream(), NotAStream())  # REFUSE-WAIT-EVENT
+
+
+def record_event():
+    torch.cuda.Stream.record_event(NotAStream())  # REFUSE-RECORD-EVENT
+
+
+def event_record():
+    torch.cuda.Event.record(NotAStream())  # REFUSE-EVENT-RECORD
+
+
+def event_wait():
+    torch.cuda.Event.wait(NotAStream())  # REFUSE-EVENT-WAIT
+
+
+STREAM_SWITCHES = {
+    "stream-context": (stream_context, "REFUSE-STREAM-CONTEXT", "torch.cuda.stream"),
+    "set_stream": (set_stream, "REFUSE-SET-STREAM", "set_stream"),
+    "wait_stream": (wait_stream, "REFUSE-WAIT-STREAM", "wait_stream"),
+    "wait_event": (wait_event, "REFUSE-WAIT-EVENT", "wait_event"),
+    "record_event": (record_event, "REFUSE-RECORD-EVENT", "record_event"),
+    "Event.record": (event_record, "REFUSE-EVENT-RECORD", "Event.record"),
+    "Event.wait": (event_wait, "REFUSE-EVENT-WAIT", "Event.wait"),
+}
+PATCHED = [
+    (torch.cuda.StreamContext, "__enter__"), (torch.cuda, "set_stream"), (torch.cuda.Stream, "wait_stream"),
+    (torch.cuda.Stream, "wait_event"), (torch.cuda.Stream, "record_event"), (torch.cuda.Event, "record"),
+    (torch.cuda.Event, "wait"),
+]  # fmt: skip
+
+
+class SwitchesStreams(nn.Module):
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch
+
+    def forward(self, x):
+        y = x * 2
+        self.switch()
+        return y + 1
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_SWITCHES))
+def test_stream_switch_in_traced_code_is_refused_suggesting_a_leaf(name):
+    switch, marker, what = STREAM_SWITCHES[name]
+    before = [vars(owner)[attr] for owner, attr in PATCHED]
+    with pytest.raises(fuser.TraceRefused) as excinfo:
+        trace(SwitchesStreams(switch), (torch.randn(3, 8),))
+    message = assert_refused_at(excinfo, marker)
+    assert what in message and "stream" in message
+    assert "@fuser.opaque" in message
+    assert [vars(owner)[attr] for owner, attr in PATCHED] == before, "left patched after tracing"
+
+
+@fuser.opaque
+class SideStreamLeaf(nn.Module):
+    """Forks onto another stream and joins back, as sglang's shared expert does in capture mode."""
+
+    def forward(self, x):
+        alt, cur = NotAStream(), NotAStream()
+        torch.cuda.Stream.wait_stream(alt, cur)
+        with torch.cuda.stream(None):
+            torch.cuda.set_stream(None)
+            y = torch.tanh(x)
+            torch.cuda.Stream.record_event(alt)
+            torch.cuda.Event.record(alt)
+        torch.cuda.Stream.wait_event(cur, alt)
+        torch.cuda.Event.wait(alt)
+        return y
+
+
+class WithSideStreamLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.side = SideStreamLeaf()
+
+    def forward(self, x):
+        return self.side(x * 2) + 1
+
+
+def test_stream_switches_inside_a_leaf_run_while_tracing_and_at_run_time(monkeypatch):
+    # Spies stand in for the CUDA calls (no CUDA here); the tracer's guards wrap them.
+    calls = []
+    for owner, attr in PATCHED:
+        monkeypatch.setattr(owner, attr, lambda *args, __attr=attr, **kwargs: calls.append(__attr))
+    m = WithSideStreamLeaf()
+    traced = trace(m, (torch.randn(3, 8),))
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["side"]
+    assert sorted(calls) == sorted([attr for _, attr in PATCHED] * 2), "the leaf runs once per shadow"
+    calls.clear()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(graph_module(m, traced)(x), torch.tanh(x * 2) + 1)
+    assert sorted(calls) == sorted(attr for _, attr in PATCHED)
+
+
+# ---------------------------------------------------------------------------------------------
 # State after tracing
 # ---------------------------------------------------------------------------------------------
 

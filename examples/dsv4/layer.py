@@ -14,12 +14,17 @@ Layout of one layer (R is the mHC residual stream, [T, hc_mult, H] bf16):
     x = post_attention_layernorm(y)            # F
     R = mhc_post(mlp(x), R, post, comb)        # G, H
 
-Everything outside the two ``@fuser.opaque`` leaves (the sliding-window attention core and the
-routed experts) is glue: it is traceable with a symbolic token count (no Python branch on tensor
-values or on T, no host syncs), so a tracer can see every elementwise op and the whole layer can be
-captured in a CUDA graph.
+Everything outside the ``@fuser.opaque`` leaves (the sliding-window attention core, the routed
+experts, and the side-stream fork and join around the shared expert) is glue: it is traceable with a
+symbolic token count (no Python branch on tensor values or on T, no host syncs), so a tracer can see
+every elementwise op and the whole layer can be captured in a CUDA graph.
+
+In capture mode (:func:`capture_mode`, sglang's warm-ups and capture) the shared expert runs on an
+alternate CUDA stream, as in sglang's DeepseekV2MoE. That fork is a leaf, so the shared expert's own
+glue is fused by a second, nested ``fuser.apply``: :func:`fuse_layer` does both.
 """
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,6 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fuser
+from fuser.api import Plan, apply_plan
+from fuser.trace import preserved_state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +107,30 @@ TINY = DSV4Config(
     max_position=64,
     vocab_size=256,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture mode
+# ---------------------------------------------------------------------------------------------
+
+_capture_mode = False
+
+
+@contextlib.contextmanager
+def capture_mode():
+    """Stand-in for sglang's ``model_capture_mode()``: set around the decode CUDA-graph warm-ups
+    and captures (SGLANG.md section 1.4). Model code asks :func:`is_capture_mode`."""
+    global _capture_mode
+    previous, _capture_mode = _capture_mode, True
+    try:
+        yield
+    finally:
+        _capture_mode = previous
+
+
+def is_capture_mode() -> bool:
+    """Stand-in for sglang's ``get_is_capture_mode()``: a static flag, never a tensor value."""
+    return _capture_mode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +308,61 @@ class GroupedExperts(nn.Module):
         return (out * self.routed_scaling_factor).to(x.dtype)
 
 
+class _Fork:
+    """What a :class:`SideStream` and its :class:`JoinStream` share: a plain object, not a Module,
+    so the wrapped module's parameters are registered once."""
+
+    def __init__(self):
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}  # made on first use, per device
+        self.pending: torch.cuda.Stream | None = None  # forked onto, not joined yet
+
+
+@fuser.opaque
+class SideStream(nn.Module):
+    """Runs ``module`` on an alternate CUDA stream in capture mode, as sglang's DeepseekV2MoE runs
+    its shared expert (SGLANG.md section 2, rule 7): ``alt.wait_stream(cur)``, the work under
+    ``torch.cuda.stream(alt)``, and the join left to :class:`JoinStream`. Otherwise, and on the
+    CPU, it just calls ``module``.
+
+    A leaf: fuser keeps the stream switches as they are (it refuses them in traced code). The
+    glue inside ``module`` is fused by a nested ``fuser.apply(side_stream.module, ...)``.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.fork = _Fork()
+
+    def forward(self, x):
+        if not (is_capture_mode() and x.is_cuda):
+            return self.module(x)
+        # Created on first use, which is a warm-up: sglang warms up before it captures.
+        alt = self.fork.streams.get(x.device)
+        if alt is None:
+            alt = self.fork.streams[x.device] = torch.cuda.Stream(x.device)
+        alt.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(alt):
+            out = self.module(x)
+        self.fork.pending = alt
+        return out
+
+
+@fuser.opaque
+class JoinStream(nn.Module):
+    """Joins a :class:`SideStream`'s fork: the current stream waits for the alternate one. Pass the
+    side stream's output through it before reading it; it returns its input unchanged."""
+
+    def __init__(self, fork: _Fork):
+        super().__init__()
+        self.fork = fork
+
+    def forward(self, x):
+        alt, self.fork.pending = self.fork.pending, None
+        if alt is not None:
+            torch.cuda.current_stream(x.device).wait_stream(alt)
+        return x
+
+
 # ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +482,7 @@ class DeepseekV2MLP(nn.Module):
 
 
 class DeepseekV2MoE(nn.Module):
-    """G: router, routed experts (opaque) and the shared expert."""
+    """G: router, routed experts (opaque) and the shared expert (on a side stream in capture mode)."""
 
     def __init__(self, cfg: DSV4Config):
         super().__init__()
@@ -407,7 +493,8 @@ class DeepseekV2MoE(nn.Module):
         if cfg.hash_layer:
             self.topk = HashTopK(cfg)
         self.experts = GroupedExperts(cfg)
-        self.shared_experts = DeepseekV2MLP(cfg)
+        self.shared_experts = SideStream(DeepseekV2MLP(cfg))
+        self.join = JoinStream(self.shared_experts.fork)
 
     def forward(self, x, input_ids):
         logits = self.gate(x)  # G1 [T, E] fp32
@@ -419,8 +506,9 @@ class DeepseekV2MoE(nn.Module):
             biased = scores + self.gate.e_score_correction_bias
             ids = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
         weights = renormalize(scores, ids)
-        routed = self.experts(x, weights, ids)  # G3 (rsf applied inside)
-        shared = self.shared_experts(x)  # G4
+        shared = self.shared_experts(x)  # G4, forked onto the side stream in capture mode
+        routed = self.experts(x, weights, ids)  # G3 (rsf applied inside), meanwhile
+        shared = self.join(shared)  # the current stream waits for the shared expert
         return routed + shared  # G5
 
 
@@ -534,3 +622,34 @@ def flash(T: int = 8, seed: int = 0, device=None):
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return build(FLASH, T, seed, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fusing
+# ---------------------------------------------------------------------------------------------
+
+#: The shared expert inside its SideStream leaf, by qualified name in the layer.
+SHARED_EXPERT = "mlp.shared_experts.module"
+
+
+def fuse_layer(layer: DeepseekV4DecoderLayer, inputs, **options) -> dict[str, Plan]:
+    """``fuser.apply`` on the layer, and a nested one on the shared expert: a leaf's inside is
+    never traced, so the glue inside the SideStream (the clamped SwiGLU) needs an apply of its
+    own, on the [T, hidden] bf16 input it gets at these inputs (taken from one eager call, state
+    restored). ``options`` go to both. Returns the plans (``.report`` says what was fused), by
+    qualified name: ``""`` the layer, :data:`SHARED_EXPERT` the shared expert."""
+    shared = layer.get_submodule(SHARED_EXPERT)
+    seen = {}
+    hook = shared.register_forward_pre_hook(lambda _, args: seen.update(x=args[0].clone()))
+    try:
+        with preserved_state(layer, inputs), torch.no_grad():
+            layer(*inputs)
+    finally:
+        hook.remove()
+    plans = {"": apply_plan(layer, inputs, **options)}
+    try:
+        plans[SHARED_EXPERT] = apply_plan(shared, (seen["x"],), **options)
+    except Exception:
+        fuser.restore(layer)  # all or nothing, as fuser.apply itself
+        raise
+    return plans

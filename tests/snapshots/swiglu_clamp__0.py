@@ -19,7 +19,7 @@ def to_bf16(x):
 
 
 @triton.jit
-def swiglu_clamp_cab232de2aa3_kernel(
+def swiglu_clamp_eabeac3ef2e2_kernel(
     in0_ptr, in0_stride_row, in0_stride_0,
     in1_ptr, in1_stride_row, in1_stride_0,
     out0_ptr, out0_stride_row, out0_stride_0,
@@ -27,25 +27,25 @@ def swiglu_clamp_cab232de2aa3_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_LAST + tl.arange(0, BLOCK_LAST)
-    in0 = tl.load(in0_ptr + row * in0_stride_row + cols * in0_stride_0, mask=(cols < 32), other=0.0)  # getitem_26
-    in1 = tl.load(in1_ptr + row * in1_stride_row + cols * in1_stride_0, mask=(cols < 32), other=0.0)  # getitem_27
+    in0 = tl.load(in0_ptr + row * in0_stride_row + cols * in0_stride_0, mask=(cols < 32), other=0.0)  # getitem
+    in1 = tl.load(in1_ptr + row * in1_stride_row + cols * in1_stride_0, mask=(cols < 32), other=0.0)  # getitem_1
     v2 = to_bf16(tl.minimum(in0.to(tl.float32), 10.0, propagate_nan=tl.PropagateNan.ALL))  # clamp
     v3 = to_bf16(tl.minimum(tl.maximum(in1.to(tl.float32), -10.0, propagate_nan=tl.PropagateNan.ALL), 10.0, propagate_nan=tl.PropagateNan.ALL))  # clamp_1
-    v4 = v2.to(tl.float32)  # float_13
+    v4 = v2.to(tl.float32)  # float_1
     v5 = v4 * tl.sigmoid(v4)  # silu
-    v6 = v3.to(tl.float32)  # float_14
-    v7 = v5 * v6  # mul_26
-    v8 = to_bf16(v7)  # to_11
+    v6 = v3.to(tl.float32)  # float_2
+    v7 = v5 * v6  # mul
+    v8 = to_bf16(v7)  # to
     tl.store(out0_ptr + row * out0_stride_row + cols * out0_stride_0, v8, mask=(cols < 32))
 
 
 
 def launch(in0, in1):
-    """Run swiglu_clamp_cab232de2aa3_kernel: returns (out0,)."""
+    """Run swiglu_clamp_eabeac3ef2e2_kernel: returns (out0,)."""
     n_rows = in0.shape[0]
     out0 = torch.empty((n_rows, 32), dtype=torch.bfloat16, device=in0.device)
     if n_rows > 0:
-        swiglu_clamp_cab232de2aa3_kernel[(n_rows, triton.cdiv(32, 32))](
+        swiglu_clamp_eabeac3ef2e2_kernel[(n_rows, triton.cdiv(32, 32))](
             in0, in0.stride(0), in0.stride(1),
             in1, in1.stride(0), in1.stride(1),
             out0, out0.stride(0), out0.stride(1),
