@@ -241,7 +241,7 @@ def test_rmsnorm_captures_eps():
         lambda x: ref(x, module.weight.detach(), eps=1e-5),
         template="row_reduce", params={"eps": 1e-5},
     )  # fmt: skip
-    x = make(16)[0]
+    x = make(16)[0].to(module.weight.device)  # golden() moved the module to the test device
     with_default = ref(x, module.weight.detach(), eps=1e-6).float()
     with_model = ref(x, module.weight.detach(), eps=1e-5).float()
     assert (with_default - with_model).abs().max() > 0.1, "inputs too large for eps to matter"
