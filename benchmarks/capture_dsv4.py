@@ -34,6 +34,8 @@ def main():
     largest = max(SGLANG_BATCH_SIZES)
     fused, big_inputs = dsv4.flash(T=largest, device="cuda")
     eager, eager_inputs = dsv4.flash(T=largest, device="cuda")
+    # Every module is built before any capture: a failed capture leaves the CUDA RNG unusable.
+    to_compile = {mode: dsv4.flash(T=1, device="cuda")[0] for mode in ("default", "reduce-overhead")}
     slices = lambda bs: tuple(x[:bs] for x in big_inputs)  # noqa: E731 - sglang's static buffers
     started = time.perf_counter()
     dsv4.fuse_layer(fused, slices(8))
@@ -55,8 +57,8 @@ def main():
     record["variants"].append(summary)
     del result
 
-    for mode in ("default", "reduce-overhead"):
-        module, _ = dsv4.flash(T=1, device="cuda")
+    for mode, module in list(to_compile.items()):
+        del to_compile[mode]
         mark_leaves(module, keep_from_dynamo=True)
         compiled = torch.compile(module, mode=mode, dynamic=False)
         with dsv4.capture_mode():
