@@ -55,6 +55,7 @@ def main():
     summary = result.summary()
     summary["replay"] = replay
     record["variants"].append(summary)
+    save(record)
     del result
 
     for mode, module in list(to_compile.items()):
@@ -64,13 +65,18 @@ def main():
         with dsv4.capture_mode():
             result = capture_decode(compiled, slices, COMPILE_SIZES, variant=f"torch.compile {mode}")
         record["variants"].append(result.summary())
+        save(record)
         del result, compiled, module
         torch.cuda.empty_cache()
 
+    print(json.dumps(record, indent=2))
+
+
+def save(record):
+    """Written after every variant: a variant that crashes the process keeps the ones before."""
     out = ROOT / "benchmarks/results/capture_dsv4_flash.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
-    print(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
