@@ -115,6 +115,7 @@ def plan(
     guard: Callable[..., bool] | None = None,
     batch_inputs: dict[str, int] | None = None,
     validate: bool = True,
+    precompute: bool = True,
 ) -> Plan:
     """Everything :func:`apply` does except installing the fused forward."""
     on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
@@ -171,7 +172,10 @@ def plan(
             region = kernel.region
             failed.update({n: "no valid place to run it once other kernels were dropped" for n in region.nodes})
     regions = [k.region for k in kernels]
-    constants = _parameter_only(traced, cops, set().union(*(r.covered for r in regions)) if regions else set())
+    # precompute=False: every value is read from the live parameters at each call (weights that
+    # are loaded or updated after fusing are seen); parameter-only glue then runs every step.
+    covered = set().union(*(r.covered for r in regions)) if regions else set()
+    constants = _parameter_only(traced, cops, covered) if precompute else {}
     graph, survivors = rewrite_graph(
         traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)}, {n: a for n, (a, _) in constants.items()}
     )

@@ -32,6 +32,10 @@ Configuration (environment, inherited by the scheduler processes):
     FUSER_LEAVES=x,y            extra opaque leaves (module paths, class or function names)
     FUSER_DRAFT=1               also fuse speculative-decoding draft models
     FUSER_STRICT=1              raise instead of leaving an unfusable module eager
+    FUSER_PRECOMPUTE=0          read every weight live at each step (automatic with
+                                --startup-weight-load-mode overlap, whose real weights arrive
+                                after capture); by default parameter-only glue (a weight's
+                                cast) is computed once at fuse time and declared to sglang
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import inspect
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -71,6 +75,7 @@ class Options:
     leaves: tuple[str, ...] = ()
     draft: bool = False
     strict: bool = False
+    precompute: bool = True  # parameter-only glue computed once at fuse time
 
     @classmethod
     def from_env(cls, environ=None) -> "Options":
@@ -82,10 +87,11 @@ class Options:
             leaves=_names(environ, "FUSER_LEAVES"),
             draft=_flag(environ, "FUSER_DRAFT"),
             strict=_flag(environ, "FUSER_STRICT"),
+            precompute=environ.get("FUSER_PRECOMPUTE", "1").strip().lower() not in ("0", "false", "no", "off"),
         )
 
     def apply_options(self) -> dict:
-        options = {}
+        options = {} if self.precompute else {"precompute": False}
         if self.patterns:
             options["patterns"] = list(self.patterns)
         if self.leaves:
@@ -117,6 +123,9 @@ def after_initialize(result, runner, *args, **kwargs):
     if getattr(server_args, "enable_torch_compile", False):
         log.warning("fuser: skipped: --enable-torch-compile is on and would re-trace the fused forward")
         return None
+    if getattr(server_args, "startup_weight_load_mode", "serial") == "overlap":
+        # The real weights are copied in after capture: nothing may be computed from them now.
+        options = replace(options, precompute=False)
     splices = install(runner.model, options)
     log.info("fuser: %d decoder layers under the decode splice", len(splices))
     return None

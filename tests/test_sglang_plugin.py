@@ -125,6 +125,12 @@ def test_weight_derived_values_are_declared_to_sglang(scenarios):
     assert "_fuser_const_0" in scenarios["derived_weight_cache_error"]
 
 
+def test_overlap_startup_reads_live_weights(scenarios):
+    # --startup-weight-load-mode overlap copies the real weights in after capture.
+    assert scenarios["overlap_constants"] == [] and scenarios["overlap_declared"] is False
+    assert scenarios["overlap_new_weights_mismatch"] is None
+
+
 def test_uninstall_restores_every_forward(scenarios):
     assert scenarios["uninstalled"]
 
@@ -151,3 +157,4 @@ def test_options_from_env():
     assert opts.enable and opts.strict and not opts.draft
     assert opts.layers == ("A", "B") and opts.leaves == ("x",) and opts.patterns == ("p.py", "q.py")
     assert opts.apply_options() == {"patterns": ["p.py", "q.py"], "leaves": ["x"]}
+    assert Options.from_env({"FUSER_PRECOMPUTE": "0"}).apply_options() == {"precompute": False}

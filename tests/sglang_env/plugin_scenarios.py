@@ -78,11 +78,11 @@ def stand_in_initialize(self):
     self.model = BUILD["model"]()
 
 
-def new_runner(model_factory, draft=False, torch_compile=False):
+def new_runner(model_factory, draft=False, torch_compile=False, weight_load="serial"):
     BUILD["model"] = model_factory
     runner = ModelRunner.__new__(ModelRunner)
     runner.is_draft_worker = draft
-    runner.server_args = SimpleNamespace(enable_torch_compile=torch_compile)
+    runner.server_args = SimpleNamespace(enable_torch_compile=torch_compile, startup_weight_load_mode=weight_load)
     runner.capture_tail_hooks = []
     ModelRunner.initialize(runner)  # sglang's hook wrapper around the stand-in
     return runner
@@ -188,6 +188,20 @@ def main() -> dict:
     except fuser.FuserError as e:
         out["strict_error"] = str(e)
     del os.environ["FUSER_STRICT"]
+
+    # Overlap startup: the real weights are copied in after capture, so nothing is precomputed
+    # from them and the fused forward reads them live.
+    runner = new_runner(dsv4_model, weight_load="overlap")
+    call(runner.model, ForwardMode.DECODE, inputs)
+    inner = runner.model.layers[0].inner
+    out["overlap_constants"] = list(inner.__dict__[STATE_ATTR].constants)
+    out["overlap_declared"] = hasattr(runner.model, sglang_plugin.DERIVED_CACHE_ATTR)
+    with torch.no_grad():
+        gate = inner.mlp.gate.weight
+        gate.copy_(torch.randn(gate.shape, generator=torch.Generator().manual_seed(9)) * gate.float().std())
+    fresh = call(runner.model, ForwardMode.EXTEND, inputs)
+    out["overlap_new_weights_mismatch"] = mismatch(call(runner.model, ForwardMode.DECODE, inputs), fresh,
+                                                   "after a weight copy", LAYER)
 
     # The first decode call during a CUDA-graph capture raises instead of tracing there.
     runner = new_runner(dsv4_model)
