@@ -19,13 +19,11 @@ every size and every replay matched.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -138,9 +136,7 @@ def rank_main(rank: int, world: int, config: str, batch_sizes: list[int], seed: 
     if rank != 0:
         return
     cuda = torch.cuda.is_available()
-    with contextlib.nullcontext() if cuda else mock.patch.object(torch.cuda, "get_device_name", return_value="none (CPU)"):
-        header = stamp()
-    header["commit"] = os.environ.get("FUSER_COMMIT") or header["commit"]
+    header = stamp()
     summary = {
         "stamp": {**header, "world": world, "backend": dist.get_backend()},
         "config": config,

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from examples.dsv4 import layer as dsv4  # noqa: E402
 from fuser import bench  # noqa: E402
 from fuser.api import record_values  # noqa: E402
+from fuser.capture import replay_time_us  # noqa: E402
 from fuser.emit import emit  # noqa: E402
 from fuser.launch_config import TABLE_DIR, current_gpu, entry_key  # noqa: E402
 
@@ -42,15 +43,7 @@ def time_launches_us(launch, args, launches: int = 10, replays: int = 20) -> flo
     with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
         for _ in range(launches):
             launch(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (replays * launches)
+    return replay_time_us(graph, replays) / launches
 
 
 def rows(args, operands, T: int):

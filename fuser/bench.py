@@ -119,7 +119,7 @@ def stamp() -> dict:
         except OSError:
             pass
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": commit or "unknown",

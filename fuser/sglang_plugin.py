@@ -46,7 +46,6 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 

@@ -32,6 +32,20 @@ def randn(g: torch.Generator, *shape, dtype=torch.float32, scale: float = 1.0) -
     return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
+# --- modules ------------------------------------------------------------------------------------
+class BF16RMSNorm(torch.nn.Module):
+    """A bf16 RMSNorm as model code writes it: the chain the ``rmsnorm`` pattern fuses."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (xf * self.weight).to(x.dtype)
+
+
 # --- the fused module ---------------------------------------------------------------------------
 def fused_call(module: torch.nn.Module, *args):
     """Call a fused module, first checking that its guard takes the fused path for ``args``."""

@@ -7,6 +7,7 @@ capture and checks the error, and that capture works again after a warm-up at th
 
 import pytest
 import torch
+from helpers import BF16RMSNorm
 
 import fuser
 from fuser.emit import forbid_compile_during_capture
@@ -52,22 +53,11 @@ def test_objects_without_a_compile_hook_are_left_alone():
     assert vars(kernel) == {}
 
 
-class Norm(torch.nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return (xf * self.weight).to(x.dtype)
-
-
 @pytest.mark.gpu
 def test_new_specialisation_inside_a_real_capture_raises():
     assert torch.cuda.is_available(), "run with -m gpu on a CUDA machine"
     n = 64
-    module = Norm(n).cuda()
+    module = BF16RMSNorm(n).cuda()
     x = torch.randn(8, n, device="cuda", dtype=torch.bfloat16)
     fuser.apply(module, (x,))
     # A row stride of 65 (not divisible by 16) is a specialisation the apply-time launch never saw.

@@ -6,24 +6,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import BF16RMSNorm
 
 import fuser
 from fuser import launch_config
 from fuser.emit import kernel_source
 
 
-class Norm(torch.nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight).to(x.dtype)
-
-
 def spec_for(n):
-    (kernel,) = fuser.plan(Norm(n), (torch.randn(3, n, dtype=torch.bfloat16),), validate=False).kernels
+    (kernel,) = fuser.plan(BF16RMSNorm(n), (torch.randn(3, n, dtype=torch.bfloat16),), validate=False).kernels
     return kernel.spec
 
 
