@@ -22,7 +22,7 @@ from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
 from fuser.pattern import load_patterns
-from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, fusible, widened
+from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, feeds, fusible, merged, widened
 from fuser.report import FusedChain, Rejected, Report, Unfused
 from fuser.splice import Guard, compile_forward, install, is_fused, restore, rewrite_graph
 from fuser.tolerance import LAYER, least_precise, mismatch
@@ -39,6 +39,7 @@ class Kernel:
     path: Any
     launch: Callable
     spec: KernelSpec | None = None
+    parts: list["Kernel"] = field(default_factory=list)  # a merged kernel: the kernels it replaced
 
 
 @dataclass
@@ -80,12 +81,35 @@ def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]
     return values
 
 
+def _unordered_topk(kernel: Kernel, cops, got: list, expected: list) -> tuple[list, list]:
+    """``torch.topk(..., sorted=False)`` leaves the order of its k picks unspecified, so the
+    kernel and eager may list the same picks in different orders. When the chain has such a
+    top-k, each [..., k] output is compared in a canonical order: per row, the order that sorts
+    the top-k indices (when they are an output), else its own sorted order."""
+    region = kernel.region
+    ks = {cops[n].attr("k") for n in region.nodes if cops[n].op == "topk" and not cops[n].attr("sorted")}
+    if not ks:
+        return got, expected
+    index = next((i for i, n in enumerate(region.outputs) if cops[n].op == "topk_indices"), None)
+
+    def canonical(outputs: list) -> list:
+        order = outputs[index].argsort(-1) if index is not None else None
+        result = []
+        for value in outputs:
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[-1] in ks:
+                value = value.take_along_dim(order, -1) if order is not None and order.shape == value.shape else value.sort(-1).values
+            result.append(value)
+        return result
+
+    return canonical(got), canonical(expected)
+
+
 # Triton's CPU interpreter swaps triton.language functions in and out around every launch,
 # so two threads must not run interpreted kernels at once (compiled GPU kernels may).
 _INTERPRETER_LOCK = threading.Lock()
 
 
-def _validate(kernel: Kernel, values) -> str | None:
+def _validate(kernel: Kernel, values, cops) -> str | None:
     region = kernel.region
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     try:
@@ -97,8 +121,9 @@ def _validate(kernel: Kernel, values) -> str | None:
     precision = least_precise(
         v.dtype for v in (values[n] for n in list(region.inputs) + list(region.nodes)) if isinstance(v, torch.Tensor)
     )
-    for node, actual in zip(region.outputs, got):
-        expected = values[node]
+    expected_values = [values[n] for n in region.outputs]
+    got, expected_values = _unordered_topk(kernel, cops, list(got), expected_values)
+    for node, actual, expected in zip(region.outputs, got, expected_values):
         coarsest = least_precise([precision, expected.dtype]) if isinstance(expected, torch.Tensor) else None
         problem = mismatch(actual, expected, f"`{node.name}`", tol_dtype=coarsest)
         if problem:
@@ -153,19 +178,28 @@ def plan(
     for region in builder.generic(taken):
         build(region)
     _widen(kernels, builder, traced, cops)
+    _merge(kernels, builder, traced, cops)
 
     if validate:
         values = record_values(module, traced)
-        for kernel in list(kernels):
-            problem = _validate(kernel, values)
-            if problem:
-                kernels.remove(kernel)
-                region = kernel.region
-                rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", problem))
-                failed.update({n: f"fused kernel disagreed with eager ({problem})" for n in region.nodes})
+        pending, kernels = kernels, []
+        while pending:
+            kernel = pending.pop(0)
+            problem = _validate(kernel, values, cops)
+            if problem is None:
+                kernels.append(kernel)
+                continue
+            region = kernel.region
+            if kernel.parts:  # a merged kernel: its parts may still be right on their own
+                rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", f"{problem}; run unmerged"))
+                pending[:0] = kernel.parts
+                continue
+            rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", problem))
+            failed.update({n: f"fused kernel disagreed with eager ({problem})" for n in region.nodes})
 
     # Place the surviving kernels again: a dropped one no longer produces its values early.
     placer = RegionBuilder(traced.graph, cops)
+    kernels.sort(key=lambda k: placer.order[k.region.position])
     for kernel in list(kernels):
         if placer.replace(kernel.region) is None:
             kernels.remove(kernel)
@@ -229,6 +263,40 @@ def _widen(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) 
         path, launch = emit(spec)
         kernels[i] = Kernel(region, path, launch, spec)
         covered |= region.covered
+
+
+#: Largest register block (padded elements) a merge may create: beyond it a program spills.
+MERGED_BLOCK_LIMIT = 1 << 15
+
+
+def _merge(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) -> None:
+    """Merge each kernel with the kernels that read its outputs while the union lowers as one
+    row program: one launch instead of two, and the values between them never leave registers."""
+    failed: set = set()
+    again = True
+    while again:
+        again = False
+        for a in kernels:
+            for b in kernels:
+                key = (id(a.region), id(b.region))
+                if a is b or key in failed or not feeds(a.region, b.region):
+                    continue
+                region = merged(builder, a.region, b.region)
+                try:
+                    spec = kernel_spec(region, traced, cops) if region else None
+                except LoweringError:
+                    spec = None
+                if spec is None or spec.program.numel > MERGED_BLOCK_LIMIT:
+                    failed.add(key)
+                    continue
+                path, launch = emit(spec)
+                builder.commit(region)
+                kernels[kernels.index(a)] = Kernel(region, path, launch, spec, [a, b])
+                kernels.remove(b)
+                again = True
+                break
+            if again:
+                break
 
 
 def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:

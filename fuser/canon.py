@@ -33,7 +33,7 @@ from fuser.trace import Traced
 
 # What a node is, for grouping and for counting kernel launches.
 COMPUTE = "compute"  # elementwise / reduction / cast: fusible, one launch in eager
-UNIT_VIEW = "unit_view"  # inserts or drops size-1 dims, or broadcasts: fusible, free
+UNIT_VIEW = "unit_view"  # inserts or drops size-1 dims, broadcasts, slices a computed value: fusible, free
 VIEW = "view"  # any other view or slice: free, never inside a fused kernel
 META = "meta"  # size arithmetic on Python ints: free
 INPUT = "input"  # placeholders and parameters/buffers
@@ -80,6 +80,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool, torc
 _PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
 # What a kernel computes on complex64 values (RoPE needs no more).
 _COMPLEX_OPS = {"mul", "add", "sub", "neg", "cat"}
+_TOPK_PARTS = {"values": "topk_values", 0: "topk_values", "indices": "topk_indices", 1: "topk_indices"}
 _CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
 _TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
 
@@ -169,6 +170,8 @@ class Canonicalizer:
         if not isinstance(value, torch.Tensor):
             if node.target is operator.setitem:
                 return self._make(node, "setitem", MUTATION, node.args[:1])
+            if op_name(node) == "topk" and _holds_tensors(value):
+                return self._topk(node)
             if _holds_tensors(value) and op_name(node) not in ("chunk", "split", "unbind", "getattr", "getitem"):
                 # topk, sort, max(dim): one kernel returning several tensors; no template yet
                 return self._make(node, op_name(node), UNSUPPORTED, _tensor_args(node))
@@ -188,7 +191,12 @@ class Canonicalizer:
             and _holds_tensors(self.value(source))
             and op_name(source) not in ("chunk", "split", "unbind")  # those are slices: see _view
         ):
-            return self._make(node, "element", VIEW, (source,))  # topk(...).indices: no kernel
+            which = node.args[1] if len(node.args) > 1 else None
+            part = _TOPK_PARTS.get(which) if isinstance(which, (str, int)) else None
+            producer = self.cops.get(source)
+            if part and producer and producer.op == "topk" and producer.kind == COMPUTE:
+                return self._make(node, part, UNIT_VIEW, (source,))  # free: picks one of its results
+            return self._make(node, "element", VIEW, (source,))  # no kernel of its own
         if name in _PAIR_VIEWS and self._aliases(node):
             return self._make(node, name, UNIT_VIEW, _tensor_args(node))
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
@@ -205,6 +213,8 @@ class Canonicalizer:
             return self._view(node)
         if name == "cat":
             return self._cat(node)
+        if name == "gather":
+            return self._gather(node)
         if name in ELEMENTWISE or name in REDUCTIONS or name in ("softmax", "log_softmax"):
             return self._compute(node, name)
         return self._make(node, name, UNSUPPORTED, _tensor_args(node))
@@ -270,11 +280,70 @@ class Canonicalizer:
             return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
         if out.numel() == inp.numel() and _register_reshape(self.static_shape(src), shape):
             return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
+        columns = self._last_axis_slice(src, out, inp)
+        if columns is not None and self._computed(src):
+            # A slice of a value a kernel computes: taken in registers when both share a kernel.
+            return self._make(node, "slice", UNIT_VIEW, (src,), {"start": columns[0], "stop": columns[1]})
         return self._make(
             node, "view", VIEW, (src,),
             {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
             covers,
         )  # fmt: skip
+
+    def _last_axis_slice(self, src, out, inp) -> tuple[int, int] | None:
+        """(start, stop) when ``out`` is ``inp[..., start:stop]`` along a non-token last axis."""
+        rank = inp.dim()
+        if not rank or out.dim() != rank or out.shape[:-1] != inp.shape[:-1] or out.stride() != inp.stride():
+            return None
+        if (rank - 1) in self.batch_dims(src) or inp.shape[-1] <= 1:
+            return None
+        step = inp.stride(-1)
+        offset = out.storage_offset() - inp.storage_offset()
+        if step <= 0 or offset < 0 or offset % step:
+            return None
+        start = offset // step
+        stop = start + out.shape[-1]
+        return (start, stop) if stop <= inp.shape[-1] and (start, stop) != (0, inp.shape[-1]) else None
+
+    def _computed(self, node) -> bool:
+        """Is ``node`` a value glue computes (not an input or a heavy op's result, or a view of one)?"""
+        cop = self.cops.get(node)
+        if cop is None or cop.kind not in (COMPUTE, UNIT_VIEW):
+            return False
+        if cop.op == "identity" or cop.kind == UNIT_VIEW:
+            return isinstance(cop.args[0], fx.Node) and self._computed(cop.args[0])
+        return True
+
+    def _topk(self, node):
+        """``torch.topk`` along a (non-token) last axis, k a constant: one kernel in eager, a
+        k-step selection in a row program. ``.values`` and ``.indices`` are free picks of it."""
+        params = dict(zip(("input", "k", "dim", "largest", "sorted"), node.args))
+        params.update(node.kwargs)
+        x, k, dim = params.get("input"), params.get("k"), params.get("dim", -1)
+        src = self.value(x) if isinstance(x, fx.Node) else None
+        if (
+            not isinstance(src, torch.Tensor) or not src.dim() or not isinstance(k, int) or not isinstance(dim, int)
+            or src.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or dim % src.dim() != src.dim() - 1 or src.dim() - 1 in self.batch_dims(x)
+        ):  # fmt: skip
+            return self._make(node, "topk", UNSUPPORTED, _tensor_args(node))
+        attrs = {"k": k, "largest": bool(params.get("largest", True)), "sorted": bool(params.get("sorted", True))}
+        return self._make(node, "topk", COMPUTE, (x,), attrs)
+
+    def _gather(self, node):
+        """``x.gather(-1, index)`` with index shaped like x but for the last axis."""
+        params = dict(zip(("input", "dim", "index"), node.args))
+        params.update(node.kwargs)
+        x, dim, index = params.get("input"), params.get("dim"), params.get("index")
+        if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and not params.get("sparse_grad"):
+            src, idx = self.value(x), self.value(index)
+            rank = src.dim()
+            if (
+                rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
+                and rank - 1 not in self.batch_dims(x)
+            ):  # fmt: skip
+                return self._make(node, "gather_last", COMPUTE, (x, index))
+        return self._make(node, "gather", UNSUPPORTED, _tensor_args(node))
 
     def _cat(self, node):
         parts = node.args[0] if node.args else node.kwargs.get("tensors")

@@ -48,7 +48,14 @@ _BINARY = {
 }  # fmt: skip
 
 # Ops that need the whole block of the last axis in one program.
-_WHOLE_BLOCK_OPS = {"view_as_complex", "view_as_real", "conj", "cat", "gather_rows"}
+_WHOLE_BLOCK_OPS = {
+    "view_as_complex", "view_as_real", "conj", "cat", "gather_rows", "slice", "topk", "topk_values",
+    "topk_indices", "gather_last",
+}  # fmt: skip
+# Integer values a row program carries: top-k indices and the indices a gather reads.
+INDEX_DTYPES = {torch.int64: "tl.int64", torch.int32: "tl.int32"}
+# Most picks a top-k is unrolled into.
+TOPK_LIMIT = 64
 
 SUPPORTED_OPS = _WHOLE_BLOCK_OPS | set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
 
@@ -78,6 +85,10 @@ def _inserted_axes(src: tuple, dst: tuple) -> list[int] | None:
         else:
             return None
     return axes if i == len(src) else None
+
+
+# Largest block (elements) an unaligned slice may spread into a one-hot sum.
+_ONE_HOT_LIMIT = 1 << 16
 
 
 def pow2(n: int) -> int:
@@ -171,6 +182,8 @@ class _Lowerer:
         rows = set()
         for node in self.inputs + self.nodes:
             value = self.traced.value(node)
+            if node in self.nodes and self.cops[node].op == "topk":
+                continue  # a (values, indices) pair, read only through its parts
             if not isinstance(value, torch.Tensor):
                 raise LoweringError(f"`{node.name}` is not a tensor")
             batch = self.traced.batch_dims(node)
@@ -178,6 +191,8 @@ class _Lowerer:
                 raise LoweringError(f"`{node.name}` has its token dim at {batch}, not first")
             if batch:
                 rows.add((value.shape[0], self.traced.shadows[node.name][1].shape[0]))
+            if value.dtype in INDEX_DTYPES and self._index_only(node):
+                continue
             if value.dtype not in TL_DTYPES and not value.dtype.is_complex and node not in self.gathered:
                 raise LoweringError(f"`{node.name}` is {value.dtype}; row programs take {list(TL_DTYPES)}")
         if len(rows) > 1:
@@ -187,6 +202,13 @@ class _Lowerer:
         for node in self.outputs:
             if not self.traced.batch_dims(node):
                 raise LoweringError(f"output `{node.name}` does not follow the tokens")
+
+    def _index_only(self, node: fx.Node) -> bool:
+        """An integer value the chain only uses as indices: top-k's, or a gather's index."""
+        if node in self.nodes and self.cops[node].op == "topk_indices":
+            return True
+        uses = [u for u in node.users if u in self.nodes]
+        return bool(uses) and all(self.cops[u].op == "gather_last" and self.cops[u].args[1] is node for u in uses)
 
     def block_shape(self, node: fx.Node) -> tuple[int, ...]:
         value = self.traced.value(node)
@@ -383,6 +405,8 @@ class _Lowerer:
         op, args = cop.op, cop.args
         if op not in SUPPORTED_OPS:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
+        if op == "topk":
+            return self.topk(node, cop)
         special = op in _WHOLE_BLOCK_OPS or any(
             isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
         )
@@ -442,6 +466,15 @@ class _Lowerer:
 
         if op == "gather_rows":
             return self.gather_rows(node, name, args[0], args[1])
+        if op == "slice":
+            return self.slice_columns(node, name, cop)
+        if op in ("topk_values", "topk_indices"):
+            values, indices = self.names[args[0]]
+            self.lines.append(f"{name} = {values if op == 'topk_values' else indices}  # {node.name}")
+            self.names[node] = name
+            return
+        if op == "gather_last":
+            return self.gather_last(node, name, cop)
         if op == "view_as_complex":
             self.lines.append(f"{name}_re, {name}_im = tl.split({src})  # {node.name}")
             self.names[node] = (f"{name}_re", f"{name}_im")
@@ -483,6 +516,82 @@ class _Lowerer:
                 return pair(f"{a[0]} * {b[0]}", f"{a[0]} * {b[1]}")
             return pair(f"{a[0]} * {b[0]} - {a[1]} * {b[1]}", f"{a[0]} * {b[1]} + {a[1]} * {b[0]}")
         raise LoweringError(f"`{node.name}`: no lowering for {op} on {value.dtype} / concatenated values")
+
+    def slice_columns(self, node: fx.Node, name: str, cop: COp):
+        """``src[..., start:stop]`` of a block in registers (Triton cannot index a block): when
+        the slice is aligned to its padded width, a reshape that makes it one row of a 2-D
+        block and a masked sum that picks the row; otherwise a one-hot sum over the columns."""
+        src = cop.args[0]
+        expr = self.names[src]
+        if not isinstance(expr, str) or self.dtypes[src] == torch.bool:
+            raise LoweringError(f"`{node.name}`: cannot slice {self.dtypes[src]} / paired / concatenated values")
+        start, stop = cop.attr("start"), cop.attr("stop")
+        shape = self.padded(src)
+        rank, last, width = len(shape), shape[-1], pow2(stop - start)
+        if start == 0 and width == last:
+            picked = expr  # the same block; the columns past ``stop`` are masked from here on
+        elif start % width == 0 and last % width == 0:
+            rows = f"tl.reshape({self.f32(src)}, {shape[:-1] + (last // width, width)})"
+            which = _expand(f"tl.arange(0, {last // width})", rank - 1, rank + 1)
+            picked = f"tl.sum(tl.where({which} == {start // width}, {rows}, 0.0), axis={rank - 1})"
+        elif math.prod(shape) * width <= _ONE_HOT_LIMIT:
+            cols = _expand(f"tl.arange(0, {last})", rank, rank + 1)
+            wanted = _expand(f"tl.arange(0, {width})", rank - 1, rank + 1)
+            spread = f"tl.expand_dims({self.f32(src)}, {rank - 1})"
+            picked = f"tl.sum(tl.where({cols} == {wanted} + {start}, {spread}, 0.0), axis={rank})"
+        else:
+            raise LoweringError(f"`{node.name}`: columns {start}:{stop} of a {last}-wide block are not aligned")
+        self.lines.append(f"{name} = {picked}  # {node.name}")
+        self.names[node] = name
+        self.dtypes[node] = self.dtypes[src]  # picked exactly: a value of the source's dtype
+
+    def topk(self, node: fx.Node, cop: COp):
+        """``torch.topk`` along the last axis, unrolled into k picks of the best remaining value
+        (the lowest index among equals). NaN ranks above every number, as in torch.topk."""
+        src = cop.args[0]
+        k, largest = cop.attr("k"), cop.attr("largest")
+        if k > TOPK_LIMIT:
+            raise LoweringError(f"`{node.name}`: top-{k} is more than {TOPK_LIMIT} picks")
+        shape = self.padded(src)
+        rank, axis, last = len(shape), len(shape) - 1, shape[-1]
+        name = self.fresh(node, "topk")
+        cols = self.axis_index(src, axis, rank)
+        picks = _expand(f"tl.arange(0, {pow2(k)})", axis, rank)
+        worst, best = ("float('-inf')", "tl.max") if largest else ("float('inf')", "tl.min")
+        x = self.f32(src)
+        mask = self.mask(src)
+        out = shape[:-1] + (pow2(k),)
+        self.lines += [
+            f"{name}_rank = tl.where({x} != {x}, float('inf'), {x})  # {node.name}: NaN first",
+            f"{name}_free = {mask if mask else f'tl.full({shape}, 1, tl.int1)'}",
+            f"{name}_val = tl.zeros({out}, tl.float32)",
+            f"{name}_idx = tl.zeros({out}, tl.int64)",
+        ]
+        for j in range(k):
+            self.lines += [
+                f"_best = tl.expand_dims({best}(tl.where({name}_free, {name}_rank, {worst}), axis={axis}), {axis})",
+                f"_at = tl.expand_dims(tl.min(tl.where({name}_free & ({name}_rank == _best), {cols}, {last}), axis={axis}), {axis})",
+                f"_hit = {cols} == _at",
+                f"{name}_val = tl.where({picks} == {j}, tl.expand_dims(tl.sum(tl.where(_hit, {x}, 0.0), axis={axis}), {axis}), {name}_val)",
+                f"{name}_idx = tl.where({picks} == {j}, _at.to(tl.int64), {name}_idx)",
+                f"{name}_free = {name}_free & ~_hit",
+            ]
+        self.names[node] = (f"{name}_val", f"{name}_idx")
+        self.dtypes[node] = self.traced.value(src).dtype
+
+    def gather_last(self, node: fx.Node, name: str, cop: COp):
+        """``src.gather(-1, index)``: a one-hot sum over the last axis per index."""
+        src, index = cop.args
+        shape = self.padded(src)
+        rank = len(shape)
+        if math.prod(self.padded(index)) * shape[-1] > _ONE_HOT_LIMIT:
+            raise LoweringError(f"`{node.name}`: gathering from a {shape[-1]}-wide block is too large")
+        cols = _expand(f"tl.arange(0, {shape[-1]})", rank, rank + 1)
+        wanted = f"tl.expand_dims({self.names[index]}, {rank})"
+        spread = f"tl.expand_dims({self.f32(src)}, {rank - 1})"
+        self.lines.append(f"{name} = tl.sum(tl.where({cols} == {wanted}, {spread}, 0.0), axis={rank})  # {node.name}")
+        self.names[node] = name
+        self.dtypes[node] = self.dtypes[src]
 
     def _complex(self, arg) -> tuple[str, str | None]:
         """(re, im) of a complex operand; (value, None) for a real one."""
@@ -535,7 +644,7 @@ class _Lowerer:
     def lower(self) -> RowProgram:
         ins = [self._operand(n, f"in{i}") for i, n in enumerate(self.inputs)]
         outs = [self._operand(n, f"out{i}") for i, n in enumerate(self.outputs)]
-        values = self.nodes + self.inputs
+        values = [n for n in self.nodes + self.inputs if isinstance(self.traced.value(n), torch.Tensor)]
         if self.tiled:
             others = max(
                 math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))

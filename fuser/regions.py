@@ -35,14 +35,26 @@ class Region:
     match: Match | None = None  # None: the generic fallback
     covered: set = field(default_factory=set)  # every node the kernel replaces
     position: fx.Node | None = None  # the kernel runs just before this node of the old graph
+    parts: tuple[str, ...] = ()  # a merged region: the patterns (or "generic") it was made of
+    merged_params: dict = field(default_factory=dict)  # a merged region: "<part>.<name>" -> value
 
     @property
     def pattern(self) -> str:
+        if self.parts:
+            return "+".join(self.parts)
         return self.match.pattern.name if self.match else "generic"
 
     @property
     def params(self) -> dict:
+        if self.parts:
+            return dict(self.merged_params)
         return dict(self.match.params) if self.match else {}
+
+    def qualified_params(self) -> dict:
+        """The parameters, each named after the pattern it belongs to."""
+        if self.parts:
+            return dict(self.merged_params)
+        return {f"{self.pattern}.{k}": v for k, v in self.params.items()}
 
 
 def fusible(cop: COp) -> bool:
@@ -127,6 +139,18 @@ class RegionBuilder:
                 if low < self.order[writer] < high and writer not in covered and self._writes(writer, inp):
                     return f"`{writer.name}` writes `{inp.name}` while the chain reads it", self.order[writer]
         return None
+
+    def drop_view_outputs(self, region: "Region") -> "Region":
+        """An output that only reshapes another output stays in the graph as a view of it (when
+        it comes after the kernel): the kernel writes each value once."""
+        outputs = set(region.outputs)
+        for out in list(region.outputs):
+            cop = self.cops[out]
+            source = cop.args[0] if cop.args else None
+            if cop.op == "reshape" and source in outputs and self.order[out] > self.order[region.position]:
+                region.outputs.remove(out)
+                region.covered.discard(out)
+        return region
 
     def commit(self, region: "Region") -> None:
         """Record where a region runs, so later regions are placed consistently with it."""
@@ -217,7 +241,7 @@ class RegionBuilder:
             # A node folded into another (sum into mean) is computed by that one.
             absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
             lowered = [n for n in lowered if n not in absorbed]
-            region = Region(lowered, inputs, outputs, template, None, covered, position)
+            region = self.drop_view_outputs(Region(lowered, inputs, outputs, template, None, covered, position))
             self.commit(region)
             return [region]
         before = [n for n in nodes if self.order[n] < cut]
@@ -308,4 +332,45 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
     position, _, _ = builder.placement(covered, inputs, outputs)
     if position is None:
         return None
-    return Region(nodes, inputs, outputs, region.template, region.match, covered, position)
+    return builder.drop_view_outputs(Region(nodes, inputs, outputs, region.template, region.match, covered, position))
+
+
+def feeds(a: Region, b: Region) -> bool:
+    """Does ``b`` read a value ``a`` computes?"""
+    return any(out in b.inputs for out in a.outputs)
+
+
+def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
+    """``a`` and ``b`` (which reads ``a``'s outputs) as one region lowered from the graph, or
+    None if they cannot run at one point of the program.
+
+    Both run one program per token row, so the union does too: ``a``'s values stay in
+    registers instead of a round trip through memory and a second launch. A region with a
+    hand-written template joins as the ops its pattern matched (lowered like any others).
+    """
+    covered = a.covered | b.covered
+    nodes, recomputed = [], set()
+    for region in (a, b):
+        absorbed = {c for n in region.nodes for c in builder.cops[n].covers[1:]}
+        for node in region.nodes:
+            cop = builder.cops[node]
+            if node in absorbed or node in nodes:
+                continue
+            if fusible(cop):
+                nodes.append(node)
+                if node not in region.covered:
+                    recomputed.add(node)
+            elif cop.kind == VIEW:
+                covered.discard(node)  # a view stays in the graph, the kernel reads it
+            else:
+                return None
+    recomputed -= covered
+    nodes.sort(key=builder.order.get)
+    inputs, outputs = builder.boundary(nodes, recomputed)
+    position, _, _ = builder.placement(covered, inputs, outputs)
+    if position is None:
+        return None
+    template = "row_reduce" if any(builder.cops[n].op in REDUCING for n in nodes) else "pointwise"
+    parts = (a.parts or (a.pattern,)) + (b.parts or (b.pattern,))
+    params = {**a.qualified_params(), **b.qualified_params()}
+    return builder.drop_view_outputs(Region(nodes, inputs, outputs, template, None, covered, position, parts, params))

@@ -74,21 +74,33 @@ def test_glue_launches_drop_at_least_five_fold(fused):
 def test_report_names_the_expected_patterns(fused):
     _, _, reports = fused
     report = reports[""]
-    by_pattern = Counter(c.pattern for c in report.chains)
+    # A merged kernel is named after its parts ("mhc_sinkhorn_rms+generic+rmsnorm").
+    by_pattern = Counter(part for c in report.chains for part in c.pattern.split("+"))
     # The mix scaling (GEMM output * rsqrt) joins the Sinkhorn block: mhc_sinkhorn_rms. The
     # shared expert's SwiGLU is inside the side-stream leaf: the nested apply fuses it.
     expected = {"mhc_sinkhorn_rms": 2, "mhc_post": 2, "rmsnorm": 3, "rmsnorm_weightless": 1, "swiglu_clamp": 0}
     for pattern, count in expected.items():
         assert by_pattern[pattern] == count, f"{pattern}: {by_pattern[pattern]} chains, expected {count}\n{report.text()}"
     for chain in report.chains:
-        if chain.pattern == "mhc_sinkhorn_rms":
-            assert chain.template == "sinkhorn"
-            assert chain.params["iters"] == 20
-            assert chain.params["eps"] == pytest.approx(1e-6)
-            assert chain.params["post_scale"] == pytest.approx(2.0)
-        if chain.pattern in ("rmsnorm", "rmsnorm_weightless"):
-            assert chain.params["eps"] == pytest.approx(1e-6)
+        parts = chain.pattern.split("+")
+        # A merged kernel keeps its parts' parameters, each named after its pattern.
+        params = chain.params if len(parts) > 1 else {f"{chain.pattern}.{k}": v for k, v in chain.params.items()}
+        if "mhc_sinkhorn_rms" in parts:
+            assert params["mhc_sinkhorn_rms.iters"] == 20
+            assert params["mhc_sinkhorn_rms.eps"] == pytest.approx(1e-6)
+            assert params["mhc_sinkhorn_rms.post_scale"] == pytest.approx(2.0)
+        for norm in {"rmsnorm", "rmsnorm_weightless"} & set(parts):
+            assert params[f"{norm}.eps"] == pytest.approx(1e-6)
         assert chain.launches_replaced >= 1 and chain.nodes and chain.outputs
+
+
+def test_mhc_pre_runs_as_one_kernel_after_its_mix_gemm(fused):
+    """DSV4.md A4-A6 and B (split, Sinkhorn, stream combine, RMSNorm) in one launch, and the mHC
+    post merged with the next pre's mix statistics (sglang's mhc_fused_post_pre)."""
+    _, _, reports = fused
+    patterns = [c.pattern for c in reports[""].chains]
+    assert patterns.count("mhc_sinkhorn_rms+generic+rmsnorm") == 2, patterns
+    assert "mhc_post+generic" in patterns, patterns
 
 
 def test_nested_apply_fuses_the_shared_swiglu_with_its_limits(fused):
