@@ -67,10 +67,15 @@ def tune(config: str, tokens: tuple[int, ...]) -> list[dict]:
                 continue
             seen.add(key["kernel"])
             args = [values[n] for n in kernel.region.inputs]
+            # An output written in place goes into (a copy of) its target, as the layer passes it.
+            targets = [values[s.args[0]].clone()[s.args[1]] for s in kernel.region.stores.values()]
             times = {}
             for warps in WARPS:
                 _, launch = emit(replace(spec, warps=warps))
-                times[warps] = {T: round(time_launches_us(launch, rows(args, spec.inputs, T)), 3) for T in tokens}
+                times[warps] = {
+                    T: round(time_launches_us(launch, rows(args, spec.inputs, T) + [t[:T] for t in targets]), 3)
+                    for T in tokens
+                }  # fmt: skip
             best = min(WARPS, key=lambda w: sum(times[w].values()))
             entries.append({**key, "num_warps": best, "heuristic": spec.program.num_warps,
                             "us": {str(w): {str(T): t for T, t in ts.items()} for w, ts in times.items()}})

@@ -22,7 +22,7 @@ from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
 from fuser.pattern import load_patterns
-from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, feeds, fusible, merged, widened
+from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, feeds, fusible, merged, siblings, stored_in_place, widened
 from fuser.report import FusedChain, Rejected, Report, Unfused
 from fuser.splice import Guard, compile_forward, install, is_fused, restore, rewrite_graph
 from fuser.tolerance import LAYER, least_precise, mismatch
@@ -59,6 +59,8 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
         outputs = [operand(traced, n, f"out{i}") for i, n in enumerate(region.outputs)]
         return KernelSpec(region.template, region.pattern, inputs, outputs, region.params, region.match.sizes)
     program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs)
+    for op, node in zip(program.outputs, region.outputs):
+        op.into = node in region.stores
     if region.template == "pointwise" and any(cops[n].op in REDUCING for n in region.nodes):
         raise LoweringError("the pointwise template takes no reductions")
     sizes = dict(region.match.sizes) if region.match else {}
@@ -112,9 +114,11 @@ _INTERPRETER_LOCK = threading.Lock()
 def _validate(kernel: Kernel, values, cops) -> str | None:
     region = kernel.region
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    # An output written in place goes into a copy of its target, as it was before the write.
+    targets = [values[s.args[0]].clone()[s.args[1]] for s in region.stores.values()]
     try:
         with torch.no_grad(), _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
-            got = kernel.launch(*[values[n] for n in region.inputs])
+            got = kernel.launch(*[values[n] for n in region.inputs], *targets)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run stays unspliced
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return f"kernel {kernel.path.name} failed: {type(e).__name__}: {first}"
@@ -150,7 +154,10 @@ def plan(
     cops = canonicalize(traced)
     all_patterns = load_patterns(list(patterns), template_names())
     matches, match_rejections = match_all(all_patterns, traced, cops)
-    builder = RegionBuilder(traced.graph, cops)
+    parameters = frozenset(
+        n for n in traced.graph.nodes if n.op == "get_attr" and isinstance(traced.value(n), torch.nn.Parameter)
+    )
+    builder = RegionBuilder(traced.graph, cops, parameters)
     rejected = [Rejected(r.pattern, r.anchor, r.category, r.reason) for r in match_rejections]
     failed: dict[fx.Node, str] = {}
     kernels: list[Kernel] = []
@@ -179,6 +186,7 @@ def plan(
         build(region)
     _widen(kernels, builder, traced, cops)
     _merge(kernels, builder, traced, cops)
+    _store_in_place(kernels, builder, traced, cops)
 
     if validate:
         values = record_values(module, traced)
@@ -198,7 +206,7 @@ def plan(
             failed.update({n: f"fused kernel disagreed with eager ({problem})" for n in region.nodes})
 
     # Place the surviving kernels again: a dropped one no longer produces its values early.
-    placer = RegionBuilder(traced.graph, cops)
+    placer = RegionBuilder(traced.graph, cops, parameters)
     kernels.sort(key=lambda k: placer.order[k.region.position])
     for kernel in list(kernels):
         if placer.replace(kernel.region) is None:
@@ -270,33 +278,56 @@ MERGED_BLOCK_LIMIT = 1 << 15
 
 
 def _merge(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) -> None:
-    """Merge each kernel with the kernels that read its outputs while the union lowers as one
-    row program: one launch instead of two, and the values between them never leave registers."""
+    """Merge a kernel with a kernel that reads its outputs, and then kernels that read the same
+    activation, while the union lowers as one row program and has a place in the program: one
+    launch instead of two, and values passed between them never leave registers."""
     failed: set = set()
-    again = True
-    while again:
-        again = False
-        for a in kernels:
-            for b in kernels:
-                key = (id(a.region), id(b.region))
-                if a is b or key in failed or not feeds(a.region, b.region):
-                    continue
-                region = merged(builder, a.region, b.region)
-                try:
-                    spec = kernel_spec(region, traced, cops) if region else None
-                except LoweringError:
-                    spec = None
-                if spec is None or spec.program.numel > MERGED_BLOCK_LIMIT:
-                    failed.add(key)
-                    continue
-                path, launch = emit(spec)
-                builder.commit(region)
-                kernels[kernels.index(a)] = Kernel(region, path, launch, spec, [a, b])
-                kernels.remove(b)
-                again = True
-                break
-            if again:
-                break
+    for related in (feeds, lambda a, b: siblings(builder, a, b, traced)):
+        again = True
+        while again:
+            again = _merge_one(kernels, builder, traced, cops, related, failed)
+
+
+def _merge_one(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops, related, failed: set) -> bool:
+    """Merge the first pair of kernels ``related`` says belong together; False if none can be."""
+    for a in kernels:
+        for b in kernels:
+            key = (id(a.region), id(b.region))
+            if a is b or key in failed or not related(a.region, b.region):
+                continue
+            region = merged(builder, a.region, b.region)
+            try:
+                spec = kernel_spec(region, traced, cops) if region else None
+            except LoweringError:
+                spec = None
+            if spec is None or spec.program.numel > MERGED_BLOCK_LIMIT:
+                failed.add(key)
+                continue
+            path, launch = emit(spec)
+            builder.commit(region)
+            kernels[kernels.index(a)] = Kernel(region, path, launch, spec, [a, b])
+            kernels.remove(b)
+            return True
+    return False
+
+
+def _store_in_place(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) -> None:
+    """A kernel whose output is only copied into a slice of another tensor (``x[i] = out``)
+    writes it there itself: the copy's launch goes."""
+    for node in traced.graph.nodes:
+        if cops.get(node) is None or cops[node].op != "setitem":
+            continue
+        for i, kernel in enumerate(kernels):
+            region = stored_in_place(builder, kernel.region, node, traced)
+            if region is None:
+                continue
+            try:
+                spec = kernel_spec(region, traced, cops)
+            except LoweringError:
+                continue
+            path, launch = emit(spec)
+            kernels[i] = Kernel(region, path, launch, spec, kernel.parts)
+            break
 
 
 def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:

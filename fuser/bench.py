@@ -81,7 +81,8 @@ class BenchResult:
         if s.get("gpu_tests"):
             t = s["gpu_tests"]
             verdict = {True: "passed", False: "FAILED", None: "not run"}[t["passed"]]
-            lines += [f"GPU tests (`{t['command']}`) on this code: {verdict} — {t['summary']}", ""]
+            detail = f" — {t['summary']}" if t["summary"] != verdict else ""
+            lines += [f"GPU tests (`{t['command']}`) on this code: {verdict}{detail}", ""]
         lines += [
             "Each variant captured in a CUDA graph (sglang's protocol: two warm-ups on a side stream,",
             "shared pool) and replayed; times are per layer per decode step.",

@@ -87,6 +87,10 @@ def _inserted_axes(src: tuple, dst: tuple) -> list[int] | None:
     return axes if i == len(src) else None
 
 
+# A product summed over a short axis (at most _CONTRACT_AXIS long) whose block is larger than
+# _CONTRACT_ABOVE elements is never built: the sum runs over the axis, one slice at a time.
+_CONTRACT_ABOVE = 4096
+_CONTRACT_AXIS = 16
 # Largest block (elements) an unaligned slice may spread into a one-hot sum.
 _ONE_HOT_LIMIT = 1 << 16
 
@@ -105,6 +109,7 @@ class Operand:
     dtype: torch.dtype
     has_rows: bool
     broadcast_rows: bool = False  # a [1, ...] tensor the launcher expands over the token rows
+    into: bool = False  # an output the caller passes in (a view it is written into), not allocated
 
     @property
     def complex(self) -> bool:
@@ -412,6 +417,10 @@ class _Lowerer:
         )
         if special:
             return self.lower_pairs_and_parts(node, cop)
+        if node in self.contracted:
+            return  # built inside the sum that reads it
+        if args and args[0] in self.contracted:
+            return self.reduce(node, cop)
         a = self.f32(args[0]) if args else None
         if op in _UNARY:
             return self.emit(node, _UNARY[op].format(a=a))
@@ -438,6 +447,55 @@ class _Lowerer:
         if op in REDUCTIONS or op == "softmax":
             return self.reduce(node, cop)
         raise LoweringError(f"`{node.name}`: no lowering for {op}")
+
+    def _contractions(self) -> set[fx.Node]:
+        """Products only summed (or averaged) over one short axis, too large to build whole:
+        ``(comb[..., None] * R[:, None]).sum(0)``, the mHC post's mix of the streams."""
+        found = set()
+        for node in self.nodes:
+            cop = self.cops[node]
+            product = cop.args[0] if cop.op in ("sum", "mean") else None
+            if not isinstance(product, fx.Node) or product not in self.nodes or product in self.outputs:
+                continue
+            pc = self.cops[product]
+            users = [u for u in product.users if u in self.nodes]
+            axes = self._block_axes(cop)
+            if pc.op != "mul" or users != [node] or len(axes) != 1 or self.is_tiled(product, axes[0]):
+                continue
+            if math.prod(self.padded(product)) > _CONTRACT_ABOVE and self.block_shape(product)[axes[0]] <= _CONTRACT_AXIS:
+                found.add(product)
+        return found
+
+    def contract(self, node: fx.Node, cop: COp):
+        """``(a * b).sum(axis)`` as a sum of ``a[j] * b[j]`` over the axis, never building a * b."""
+        product = cop.args[0]
+        axis = self._block_axes(cop)[0]
+        rank = len(self.padded(product))
+        dtype = self.traced.value(product).dtype
+        terms = []
+        for j in range(self.block_shape(product)[axis]):
+            factors = [self._pick(x, axis, j, rank) for x in self.cops[product].args]
+            terms.append(rounded(f"{factors[0]} * {factors[1]}", dtype))
+        expr = " + ".join(f"({t})" for t in terms)
+        if cop.op == "mean":
+            expr = f"({expr}) / {float(len(terms))!r}"
+        if cop.attr("keepdim"):
+            expr = f"tl.expand_dims({expr}, {axis})"
+        return self.emit(node, expr)
+
+    def _pick(self, x, axis: int, j: int, rank: int) -> str:
+        """Operand ``x`` of a rank-``rank`` broadcast product at index ``j`` of ``axis``, that
+        axis dropped."""
+        if not isinstance(x, fx.Node):
+            return self.f32(x)
+        shape = self.block_shape(x)
+        own = axis - (rank - len(shape))  # numpy broadcasting aligns the trailing dims
+        if own < 0:
+            return self.f32(x)
+        if shape[own] == 1:
+            return f"tl.sum({self.f32(x)}, axis={own})"  # drops the size-1 axis
+        which = _expand(f"tl.arange(0, {pow2(shape[own])})", own, len(shape))
+        return f"tl.sum(tl.where({which} == {j}, {self.f32(x)}, 0.0), axis={own})"
 
     def layout(self, node: fx.Node, cop: COp, src: str) -> str:
         """``src`` moved into ``node``'s block shape (broadcast, unsqueeze or register reshape)."""
@@ -617,6 +675,8 @@ class _Lowerer:
         dims = cop.attr("dim")
         if set(dims) & set(self.traced.batch_dims(src)):
             raise LoweringError(f"`{node.name}` reduces across tokens (dims {dims})")
+        if src in self.contracted:
+            return self.contract(node, cop)
         axes = self._block_axes(cop)
         shape = self.block_shape(src)
         if cop.op == "softmax":
@@ -644,7 +704,11 @@ class _Lowerer:
     def lower(self) -> RowProgram:
         ins = [self._operand(n, f"in{i}") for i, n in enumerate(self.inputs)]
         outs = [self._operand(n, f"out{i}") for i, n in enumerate(self.outputs)]
-        values = [n for n in self.nodes + self.inputs if isinstance(self.traced.value(n), torch.Tensor)]
+        self.contracted = self._contractions()
+        values = [
+            n for n in self.nodes + self.inputs
+            if isinstance(self.traced.value(n), torch.Tensor) and n not in self.contracted and n not in self.gathered
+        ]  # fmt: skip: a gathered table is read a row at a time, a contracted product never built
         if self.tiled:
             others = max(
                 math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))

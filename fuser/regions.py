@@ -14,7 +14,7 @@ point writes to the input (or to any view of it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
@@ -37,6 +37,7 @@ class Region:
     position: fx.Node | None = None  # the kernel runs just before this node of the old graph
     parts: tuple[str, ...] = ()  # a merged region: the patterns (or "generic") it was made of
     merged_params: dict = field(default_factory=dict)  # a merged region: "<part>.<name>" -> value
+    stores: dict = field(default_factory=dict)  # output -> the ``x[index] = output`` it writes in place
 
     @property
     def pattern(self) -> str:
@@ -62,8 +63,9 @@ def fusible(cop: COp) -> bool:
 
 
 class RegionBuilder:
-    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp]):
+    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp], parameters: frozenset = frozenset()):
         self.graph, self.cops = graph, cops
+        self.parameters = parameters  # get_attr nodes of parameters: weights no leaf writes
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.alias = _alias_classes(graph, cops)
         self.writers = [n for n in graph.nodes if n in cops and cops[n].kind in (MUTATION, HEAVY)]
@@ -120,7 +122,10 @@ class RegionBuilder:
         return None, *problems[0]
 
     def _ready(self, value: fx.Node) -> int:
-        """The first position at which ``value`` exists (a region's output: where it runs)."""
+        """The first position at which ``value`` exists (a region's output: where it runs; a
+        parameter or buffer: from the start, the fused graph reads attributes first)."""
+        if value.op == "get_attr":
+            return 0
         return self.made_at.get(value, self.order[value] + 1)
 
     def _problem_at(self, position: int, covered: set, inputs: list, outputs: list):
@@ -163,7 +168,7 @@ class RegionBuilder:
     def replace(self, region: "Region") -> "Region | None":
         """Place an already built region again (after others were dropped); None if it cannot be."""
         position, _, _ = self.placement(region.covered, region.inputs, region.outputs)
-        if position is None:
+        if position is None or (region.stores and position not in region.stores.values()):
             return None
         region.position = position
         self.commit(region)
@@ -173,7 +178,7 @@ class RegionBuilder:
         cls = self.alias.get(value)
         targets = [self.cops[writer].args[0]] if self.cops[writer].kind == MUTATION else writer.all_input_nodes
         if writer.op == "call_module" and self.cops.get(value) and self.cops[value].kind == INPUT:
-            return value.op == "get_attr"  # a leaf may write the module's buffers
+            return value.op == "get_attr" and value not in self.parameters  # a leaf may write buffers
         return any(self.alias.get(t) == cls for t in targets if isinstance(t, fx.Node))
 
     # --- pattern regions ---------------------------------------------------------------------
@@ -213,6 +218,15 @@ class RegionBuilder:
             regions += self._place(component)
         return regions
 
+    def _copied(self, outputs: list[fx.Node]) -> bool:
+        """Is an output only copied into a slice of another tensor (``x[i] = out``)? Then one op
+        alone gains: its kernel can write there itself (see :func:`stored_in_place`)."""
+        for out in outputs:
+            users = self.users_outside(out, set())
+            if len(users) == 1 and users[0] in self.cops and self.cops[users[0]].op == "setitem":
+                return True
+        return False
+
     def recomputable(self, node: fx.Node) -> bool:
         """Cheap glue computed from graph inputs only (a table lookup, a view of it): each kernel
         that reads it may compute it again instead of reading a copy someone wrote."""
@@ -235,7 +249,7 @@ class RegionBuilder:
         covered = set(nodes) - recomputed
         position, _, cut = self.placement(covered, inputs, outputs) if covered else (None, "", 0)
         if position is not None:
-            if sum(1 for n in covered if self.cops[n].kind == COMPUTE) < 2:
+            if sum(1 for n in covered if self.cops[n].kind == COMPUTE) < 2 and not self._copied(outputs):
                 return []  # one op alone gains nothing from a kernel of its own
             template = "row_reduce" if any(self.cops[n].op in REDUCING for n in nodes) else "pointwise"
             # A node folded into another (sum into mean) is computed by that one.
@@ -340,12 +354,25 @@ def feeds(a: Region, b: Region) -> bool:
     return any(out in b.inputs for out in a.outputs)
 
 
-def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
-    """``a`` and ``b`` (which reads ``a``'s outputs) as one region lowered from the graph, or
-    None if they cannot run at one point of the program.
+def siblings(builder: RegionBuilder, a: Region, b: Region, traced) -> bool:
+    """Do ``a`` and ``b`` read the same activation (one floating-point tensor, or views of it)?
+    Two such kernels run as one (a horizontal fusion) where the program order allows."""
 
-    Both run one program per token row, so the union does too: ``a``'s values stay in
-    registers instead of a round trip through memory and a second launch. A region with a
+    def activations(region):
+        return {
+            builder.alias[n] for n in region.inputs
+            if n.op != "get_attr" and traced.batch_dims(n) and traced.value(n).is_floating_point()
+        }  # fmt: skip
+
+    return bool(activations(a) & activations(b))
+
+
+def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
+    """``a`` and ``b`` (one reads the other's outputs, or both read the same activation) as one
+    region lowered from the graph, or None if they cannot run at one point of the program.
+
+    Both run one program per token row, so the union does too: values passed between them stay
+    in registers instead of a round trip through memory, and one launch goes. A region with a
     hand-written template joins as the ops its pattern matched (lowered like any others).
     """
     covered = a.covered | b.covered
@@ -374,3 +401,41 @@ def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
     parts = (a.parts or (a.pattern,)) + (b.parts or (b.pattern,))
     params = {**a.qualified_params(), **b.qualified_params()}
     return builder.drop_view_outputs(Region(nodes, inputs, outputs, template, None, covered, position, parts, params))
+
+
+def stored_in_place(builder: RegionBuilder, region: Region, setitem: fx.Node, traced) -> Region | None:
+    """``region`` writing its output ``value`` straight into ``x[index]`` for the in-place
+    ``x[index] = value`` that follows it, or None if it cannot: one launch instead of a kernel
+    and a copy. The kernel then runs where the write was, so every read of ``x`` keeps its order.
+    """
+    target, index, value = setitem.args[:3]
+    copies = []  # no-op casts between the value and the write
+    while isinstance(value, fx.Node) and builder.cops[value].op == "identity" and len(value.users) == 1:
+        copies.append(value)
+        value = builder.cops[value].args[0]
+    if value not in region.outputs or region.stores or set(value.users) != {copies[-1] if copies else setitem}:
+        return None
+    if not isinstance(target, fx.Node) or not _static_index(index):
+        return None
+    dest, shadow = (traced.shadows[target.name][k][index] for k in (0, 1))
+    result, result_shadow = traced.shadows[value.name]
+    if dest.shape != result.shape or shadow.shape != result_shadow.shape or dest.dtype != result.dtype:
+        return None  # a broadcasting or casting write
+    if traced.batch_dims(value) != (0,) or dest.shape[0] == shadow.shape[0]:
+        return None  # the kernel writes one row per token: the target must follow the tokens too
+    covered = region.covered | {setitem, *copies}
+    position, _, _ = builder.placement(covered, region.inputs, region.outputs)
+    if position is not setitem:
+        return None
+    stored = replace(region, covered=covered, position=position, stores={value: setitem})
+    builder.commit(stored)
+    return stored
+
+
+def _static_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(
+        p is Ellipsis or p is None or isinstance(p, int)
+        or (isinstance(p, slice) and all(v is None or isinstance(v, int) for v in (p.start, p.stop, p.step)))
+        for p in parts
+    )  # fmt: skip

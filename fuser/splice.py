@@ -47,35 +47,71 @@ def rewrite_graph(
     env: dict[fx.Node, fx.Node] = {}
     origin: dict[fx.Node, fx.Node] = {}
     dead: set[fx.Node] = set()
+    waiting: list[fx.Node] = []  # pure nodes (a view, a no-op cast) of outputs of later kernels
+
+    def copy(node):
+        env[node] = new.node_copy(node, lambda n: env[n])
+        origin[env[node]] = node
+
+    def flush():
+        """Copy the waiting nodes whose inputs exist now, in program order."""
+        ready = [n for n in waiting if all(a in env for a in n.all_input_nodes)]
+        while ready:
+            for node in ready:
+                waiting.remove(node)
+                copy(node)
+            ready = [n for n in waiting if all(a in env for a in n.all_input_nodes)]
+
+    # Attribute reads (parameters, buffers) come first: a kernel may run before the point
+    # where the traced code first touched an attribute it reads.
+    attributes = [n for n in graph.nodes if n.op == "get_attr"]
     for node in graph.nodes:
+        if attributes and node.op != "placeholder":
+            for attr in attributes:
+                copy(attr)
+            attributes = []
         pending = list(at_position.get(node, ()))
         while pending:  # kernels placed at the same point run producers first
-            ready = [(i, r) for i, r in pending if all(a in env for a in r.inputs)]
+            ready = [(i, r) for i, r in pending if all(a in env for a in r.inputs + [s.args[0] for s in r.stores.values()])]
             if not ready:
                 raise AssertionError(f"kernels at `{node.name}` wait on each other's outputs")
             for i, region in ready:
-                call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs))
+                # An output stored in place is written into its target's view, made here.
+                targets = [new.call_function(operator.getitem, (env[s.args[0]], s.args[1])) for s in region.stores.values()]
+                call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs) + tuple(targets))
                 call.name = f"fused_{region.pattern}_{i}"
                 for k, out in enumerate(region.outputs):
                     env[out] = new.call_function(operator.getitem, (call, k))
                 pending.remove((i, region))
-        if node in covered:
+                flush()
+        if node in covered or node in env:  # fused, or an attribute read already made
             continue
         if node in constants:
             env[node] = new.get_attr(constants[node])
             continue
         if any(a not in env for a in node.all_input_nodes):
-            dead.add(node)  # only reads values no longer computed: must be unused (checked below)
+            if node.op == "output" or _pure(cops.get(node)):
+                waiting.append(node)  # reads a kernel's output made later: copied once it is
+            else:
+                dead.add(node)  # only reads values no longer computed: must be unused (checked below)
             continue
-        env[node] = new.node_copy(node, lambda n: env[n])
-        origin[env[node]] = node
+        copy(node)
+    flush()
+    for node in waiting:
+        if node not in env:
+            dead.add(node)
     for node in dead:
         live = [u.name for u in node.users if u not in dead and u not in covered]
-        if live:
-            raise AssertionError(f"`{node.name}` reads a fused intermediate but is used by {live}")
+        if live or node.op == "output":
+            raise AssertionError(f"`{node.name}` reads a fused intermediate but is used by {live or 'the output'}")
     _drop_unused_views(new, origin, cops)
     new.lint()
     return new, {origin[n] for n in new.nodes if n in origin}
+
+
+def _pure(cop: COp | None) -> bool:
+    """A node without effects, which may run later than where it was traced."""
+    return cop is not None and (cop.kind in (VIEW, UNIT_VIEW, META) or cop.op == "identity")
 
 
 def _drop_unused_views(graph: fx.Graph, origin: dict, cops: dict):

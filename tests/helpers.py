@@ -65,7 +65,8 @@ def eager_call(module: torch.nn.Module, *args):
 
 # --- comparisons -------------------------------------------------------------------------------
 def assert_close(actual, expected, tolerances: dict, what: str = "output"):
-    """Same structure, dtypes and shapes; values within ``tolerances[dtype]``; NaN where NaN."""
+    """Same structure, dtypes and shapes; values within ``tolerances[dtype]`` (integers equal);
+    NaN where NaN."""
     if isinstance(expected, (tuple, list)):
         assert isinstance(actual, (tuple, list)) and len(actual) == len(expected), f"{what}: structure differs"
         for i, (a, e) in enumerate(zip(actual, expected)):
@@ -74,6 +75,9 @@ def assert_close(actual, expected, tolerances: dict, what: str = "output"):
     assert isinstance(actual, torch.Tensor), f"{what}: {type(actual).__name__}, expected a tensor"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if not expected.is_floating_point():  # indices and the like: exactly
+        assert torch.equal(actual, expected), f"{what}: {actual} differs from {expected}"
+        return
     rtol, atol = tolerances[expected.dtype]
     torch.testing.assert_close(
         actual.detach(), expected.detach(), rtol=rtol, atol=atol, equal_nan=True,

@@ -1,4 +1,4 @@
-"""Golden outputs for every pattern in patterns/.
+"""Golden outputs for every pattern in patterns/, and for the chains fuser lowers without one.
 
 Each test builds a small module whose forward spells the chain the way model code does (weights
 as parameters of the module), fuses it with ``fuser.apply`` traced at one token count, and
@@ -451,3 +451,212 @@ def test_mhc_sinkhorn_fused_comb_is_doubly_stochastic():
         fuser.restore(module)
     torch.testing.assert_close(comb.sum(-2), torch.ones(16, 4), rtol=0, atol=1e-5)
     torch.testing.assert_close(comb.sum(-1), torch.ones(16, 4), rtol=0, atol=1e-3)
+
+
+# --- chains no pattern claims: the generic lowering --------------------------------------------
+# Golden outputs for what fuser lowers from the graph itself: slices of computed values, top-k
+# with the gather that follows it, products summed over a short axis, kernels merged with the
+# kernel that feeds them or that reads the same activation, and results written in place.
+
+
+def norm_rope_tail(x, freqs, rope):
+    """Weight-free per-head RMSNorm rounded to x's dtype, then interleaved RoPE on the last
+    ``rope`` columns (DSV4.md C4): slices of a computed value, reassembled with cat."""
+    xf = x.float()
+    x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    nope = x.shape[-1] - rope
+    tail = torch.view_as_complex(x[..., nope:].float().unflatten(-1, (-1, 2)))
+    return torch.cat([x[..., :nope], torch.view_as_real(tail * freqs).flatten(-2).to(x.dtype)], dim=-1)
+
+
+class NormRope(nn.Module):
+    def __init__(self, rope):
+        super().__init__()
+        self.rope = rope
+
+    def forward(self, x, freqs):
+        return norm_rope_tail(x, freqs, self.rope)
+
+
+def rope_freqs(T, rope, seed):
+    angles = randn(gen(seed), T, 1, rope // 2, scale=3.0)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim,rope", [(3, 48, 16), (4, 64, 64), (64, 512, 64)])
+def test_norm_then_rope_on_a_slice_is_one_kernel(heads, head_dim, rope, dtype):
+    """The norm (a pattern) and the RoPE on its last columns (generic), merged: the slices of the
+    normed value are taken in registers."""
+    golden(
+        "rmsnorm_weightless+generic", NormRope(rope),
+        lambda T: (randn(gen(T), T, heads, head_dim, dtype=dtype, scale=2.0), rope_freqs(T, rope, T + 1)),
+        lambda x, f: norm_rope_tail(x, f, rope),
+        template="row_reduce", params={"rmsnorm_weightless.eps": 1e-6},
+    )  # fmt: skip
+
+
+def unaligned_slices(x):
+    """Columns 5:13 and 3:40 of a computed value: slices no register reshape can pick."""
+    y = torch.sigmoid(x.float()) * 2
+    return (y[..., 5:13].sum(-1, keepdim=True) + y[..., 3:40].amax(-1, keepdim=True)).to(x.dtype)
+
+
+class UnalignedSlices(nn.Module):
+    def forward(self, x):
+        return unaligned_slices(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_slices_of_a_computed_value(dtype):
+    golden(
+        "generic", UnalignedSlices(),
+        lambda T: (randn(gen(T), T, 41, dtype=dtype),),
+        unaligned_slices, template="row_reduce",
+    )  # fmt: skip
+
+
+def biased_topk(logits, bias, k, largest):
+    """DSV4.md G2: sqrt-softplus scores, top-k of the biased scores, gather of the un-biased
+    ones, renormalised."""
+    scores = torch.sqrt(F.softplus(logits))
+    ids = torch.topk(scores + bias, k, dim=-1, largest=largest, sorted=True).indices
+    weights = scores.gather(1, ids)
+    return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20)
+
+
+class BiasedTopK(nn.Module):
+    def __init__(self, experts, k, largest=True, sorted=True):
+        super().__init__()
+        self.k, self.largest, self.sorted = k, largest, sorted
+        self.bias = nn.Parameter(randn(gen(experts), experts, scale=0.1))
+
+    def forward(self, logits):
+        scores = torch.sqrt(F.softplus(logits))
+        ids = torch.topk(scores + self.bias, self.k, dim=-1, largest=self.largest, sorted=self.sorted).indices
+        weights = scores.gather(1, ids)
+        return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20)
+
+
+@pytest.mark.parametrize("experts,k,largest", [(256, 6, True), (40, 3, True), (37, 8, False)])
+def test_gate_topk_gather_renormalise_is_one_kernel(experts, k, largest):
+    module = BiasedTopK(experts, k, largest)
+    golden(
+        "generic", module,
+        lambda T: (randn(gen(T), T, experts, scale=2.0),),
+        lambda x: biased_topk(x, module.bias.detach(), k, largest),
+        template="row_reduce",
+    )  # fmt: skip
+
+
+def test_unsorted_topk_is_checked_as_a_set():
+    """topk(sorted=False) leaves the order of the picks to the implementation: fuser validates
+    the kernel (and this test compares it) per row in the order of the ids."""
+    module = BiasedTopK(256, 6, sorted=False)
+    x = randn(gen(3), 3, 256, scale=2.0)
+    expected_ids, expected_w = eager_call(module, x)
+    report = fuser.apply(module, (x,))
+    try:
+        assert_claimed(report, "generic", template="row_reduce")
+        for T in TOKENS:
+            x = randn(gen(T), T, 256, scale=2.0)
+            ids, w = fused_call(module, x)
+            want_ids, want_w = biased_topk(x, module.bias.detach(), 6, True)
+            order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+            assert torch.equal(ids.take_along_dim(order, -1), want_ids.take_along_dim(want_order, -1))
+            assert_close(w.take_along_dim(order, -1), want_w.take_along_dim(want_order, -1), KERNEL_TOLERANCE)
+    finally:
+        fuser.restore(module)
+
+
+def stream_mix_norm(comb, R):
+    """The mHC post's mix of the streams, then an RMS over the whole mixed row: one program per
+    row, where the [n, n, H] product is summed over its first axis without being built."""
+    mixed = (comb.unsqueeze(-1) * R.float().unsqueeze(2)).sum(1)  # [T, n, H]
+    flat = mixed.flatten(1)
+    return (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)).to(R.dtype)
+
+
+class StreamMixNorm(nn.Module):
+    def forward(self, comb, R):
+        return stream_mix_norm(comb, R)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [256, 1024])  # a [4, 4, H] product of 4096 elements, and of 16384
+def test_a_large_product_summed_over_streams(H, dtype):
+    """The mix (generic) and the norm after it (a pattern), merged into one row program."""
+    golden(
+        "generic+rmsnorm_weightless", StreamMixNorm(),
+        lambda T: (randn(gen(T), T, 4, 4).softmax(-1), randn(gen(T + 1), T, 4, H, dtype=dtype)),
+        stream_mix_norm, template="row_reduce", params={"rmsnorm_weightless.eps": 1e-6},
+    )  # fmt: skip
+
+
+class TwoNormsOfOneProjection(nn.Module):
+    """q_norm and kv_norm of one fused projection (DSV4.md C1/C2): two norms that read slices of
+    the same activation run as one kernel."""
+
+    def __init__(self, q, kv, dtype):
+        super().__init__()
+        self.q = q
+        self.proj = nn.Linear(32, q + kv, bias=False, dtype=dtype)
+        self.q_norm, self.kv_norm = RMSNorm(q, dtype, seed=1), RMSNorm(kv, dtype, seed=2)
+
+    def forward(self, x):
+        qkv = self.proj(x)
+        return self.q_norm(qkv[:, : self.q]), self.kv_norm(qkv[:, self.q :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_norms_reading_one_activation_are_one_kernel(dtype):
+    module = TwoNormsOfOneProjection(48, 24, dtype)
+    with torch.no_grad():
+        module.proj.weight.copy_(randn(gen(0), 72, 32, scale=0.2))
+
+    def reference(x):
+        qkv = F.linear(x, module.proj.weight.detach())
+        ref = pattern("rmsnorm").reference
+        return ref(qkv[:, :48], module.q_norm.weight.detach()), ref(qkv[:, 48:], module.kv_norm.weight.detach())
+
+    golden(
+        "rmsnorm+rmsnorm", module, lambda T: (randn(gen(T), T, 32, dtype=dtype),), reference,
+        template="row_reduce", params={"rmsnorm.eps": 1e-6},
+    )  # fmt: skip
+
+
+class InverseRopeInPlace(nn.Module):
+    """DSV4.md C9: the attention output's RoPE columns rotated back in place."""
+
+    def __init__(self, dim, rope, dtype):
+        super().__init__()
+        self.rope = rope
+        self.proj = nn.Linear(dim, dim, bias=False, dtype=dtype)
+
+    def forward(self, x, freqs):
+        o = self.proj(x)
+        tail = torch.view_as_complex(o[..., -self.rope :].float().unflatten(-1, (-1, 2)))
+        o[..., -self.rope :] = torch.view_as_real(tail * freqs.conj()).flatten(-2).to(o.dtype)
+        return o
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,rope", [(40, 8), (512, 64)])
+def test_a_result_copied_into_a_slice_is_written_there(dim, rope, dtype):
+    """``o[..., -r:] = f(o[..., -r:])``: the kernel writes into o itself; no copy is left."""
+    module = InverseRopeInPlace(dim, rope, dtype)
+    with torch.no_grad():
+        module.proj.weight.copy_(randn(gen(dim), dim, dim, scale=dim**-0.5))
+
+    def reference(x, freqs):
+        o = F.linear(x, module.proj.weight.detach())
+        tail = torch.view_as_complex(o[..., -rope:].float().unflatten(-1, (-1, 2)))
+        return torch.cat([o[..., :-rope], torch.view_as_real(tail * freqs.conj()).flatten(-2).to(o.dtype)], -1)
+
+    report = golden(
+        "generic", module,
+        lambda T: (randn(gen(T), T, dim, dtype=dtype), rope_freqs(T, rope, T)[:, 0]),
+        reference, template="pointwise",
+    )  # fmt: skip
+    (chain,) = report.chains
+    assert "setitem" in chain.nodes, report.text()

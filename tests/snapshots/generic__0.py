@@ -4,7 +4,7 @@
 # in0: torch.complex64 [64, 8]
 # in1: torch.int64 [T]
 # in2: torch.bfloat16 [T, 4, 16]
-# out0 -> torch.bfloat16 [T, 4, 16]
+# out0 -> torch.bfloat16 [T, 4, 16] (written in place)
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +20,7 @@ def to_bf16(x):
 
 
 @triton.jit
-def generic_2e32d2f13149_kernel(
+def generic_478322dca5b1_kernel(
     in0_ptr, in0_stride_0, in0_stride_1, in0_stride_2,
     in1_ptr, in1_stride_row,
     in2_ptr, in2_stride_row, in2_stride_0, in2_stride_1,
@@ -44,13 +44,12 @@ def generic_2e32d2f13149_kernel(
 
 
 
-def launch(in0, in1, in2):
-    """Run generic_2e32d2f13149_kernel: returns (out0,)."""
+def launch(in0, in1, in2, out0):
+    """Run generic_478322dca5b1_kernel: returns (out0,), writing out0 in place."""
     n_rows = in1.shape[0]
-    out0 = torch.empty((n_rows, 4, 16), dtype=torch.bfloat16, device=in1.device)
     in0_pairs = torch.view_as_real(in0.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        generic_2e32d2f13149_kernel[(n_rows,)](
+        generic_478322dca5b1_kernel[(n_rows,)](
             in0_pairs, in0_pairs.stride(0), in0_pairs.stride(1), in0_pairs.stride(2),
             in1, in1.stride(0),
             in2, in2.stride(0), in2.stride(1), in2.stride(2),

@@ -8,7 +8,6 @@
 # out0 -> torch.bfloat16 [T, 4, 64]
 # out1 -> torch.float32 [T, 256]
 # out2 -> torch.float32 [T, 1]
-# out3 -> torch.float32 [T, 4, 64]
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +23,7 @@ def to_bf16(x):
 
 
 @triton.jit
-def mhc_post_generic_9947b910e2d2_kernel(
+def mhc_post_generic_40b1b118fcdb_kernel(
     in0_ptr, in0_stride_row, in0_stride_0, in0_stride_1,
     in1_ptr, in1_stride_row, in1_stride_0, in1_stride_1,
     in2_ptr, in2_stride_row, in2_stride_0,
@@ -32,7 +31,6 @@ def mhc_post_generic_9947b910e2d2_kernel(
     out0_ptr, out0_stride_row, out0_stride_0, out0_stride_1,
     out1_ptr, out1_stride_row, out1_stride_0,
     out2_ptr, out2_stride_row, out2_stride_0,
-    out3_ptr, out3_stride_row, out3_stride_0, out3_stride_1,
 ):
     row = tl.program_id(0).to(tl.int64)
     in0 = tl.load(in0_ptr + row * in0_stride_row + tl.arange(0, 4)[:, None] * in0_stride_0 + tl.arange(0, 4)[None, :] * in0_stride_1)  # truediv_38
@@ -58,19 +56,17 @@ def mhc_post_generic_9947b910e2d2_kernel(
     tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 4)[:, None] * out0_stride_0 + tl.arange(0, 64)[None, :] * out0_stride_1, v12)
     tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 256) * out1_stride_0, v14)
     tl.store(out2_ptr + row * out2_stride_row + tl.arange(0, 1) * out2_stride_0, v18)
-    tl.store(out3_ptr + row * out3_stride_row + tl.arange(0, 4)[:, None] * out3_stride_0 + tl.arange(0, 64)[None, :] * out3_stride_1, v19)
 
 
 
 def launch(in0, in1, in2, in3):
-    """Run mhc_post_generic_9947b910e2d2_kernel: returns (out0, out1, out2, out3,)."""
+    """Run mhc_post_generic_40b1b118fcdb_kernel: returns (out0, out1, out2,)."""
     n_rows = in0.shape[0]
     out0 = torch.empty((n_rows, 4, 64), dtype=torch.bfloat16, device=in0.device)
     out1 = torch.empty((n_rows, 256), dtype=torch.float32, device=in0.device)
     out2 = torch.empty((n_rows, 1), dtype=torch.float32, device=in0.device)
-    out3 = torch.empty((n_rows, 4, 64), dtype=torch.float32, device=in0.device)
     if n_rows > 0:
-        mhc_post_generic_9947b910e2d2_kernel[(n_rows,)](
+        mhc_post_generic_40b1b118fcdb_kernel[(n_rows,)](
             in0, in0.stride(0), in0.stride(1), in0.stride(2),
             in1, in1.stride(0), in1.stride(1), in1.stride(2),
             in2, in2.stride(0), in2.stride(1),
@@ -78,7 +74,6 @@ def launch(in0, in1, in2, in3):
             out0, out0.stride(0), out0.stride(1), out0.stride(2),
             out1, out1.stride(0), out1.stride(1),
             out2, out2.stride(0), out2.stride(1),
-            out3, out3.stride(0), out3.stride(1), out3.stride(2),
             num_warps=2,
         )
-    return (out0, out1, out2, out3,)
+    return (out0, out1, out2,)
