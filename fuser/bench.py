@@ -45,6 +45,7 @@ class Row:
     heavy_launches: int
     compile_s: float | None = None
     note: str = ""
+    glue_kernels: dict[str, float] | None = None  # fuser's glue kernels: name -> µs per layer
 
 
 @dataclass
@@ -103,6 +104,15 @@ class BenchResult:
                 lines.append(
                     f"| {b.kernel} | {b.tokens} | {b.bytes / 1e6:.2f} | {b.us:.1f} | {b.gbps:.0f} | {b.fraction_of_copy:.0%} |"
                 )
+        per_kernel = [r for r in self.rows if r.glue_kernels is not None]
+        if per_kernel:
+            names = list(dict.fromkeys(n for r in per_kernel for n in r.glue_kernels))
+            lines += ["", "fuser's glue kernels, µs per layer:", ""]
+            lines += ["| kernel | " + " | ".join(f"T={r.tokens}" for r in per_kernel) + " |"]
+            lines += ["|---|" + "---|" * len(per_kernel)]
+            for name in names:
+                cells = [f"{r.glue_kernels[name]:.1f}" if name in r.glue_kernels else "-" for r in per_kernel]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
 
@@ -206,7 +216,8 @@ def kernel_classes(forward: Callable, inputs: tuple) -> list[tuple[str, str]]:
 
 
 def profile_replay(graph, classes: list[tuple[str, str]], replays: int = 5):
-    """(glue launches, glue µs, heavy launches) per replay, classes taken by position."""
+    """(glue kernels [(name, µs)], heavy launches, note, µs per kernel name over all replays),
+    per replay, classes taken by position."""
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -227,7 +238,7 @@ def profile_replay(graph, classes: list[tuple[str, str]], replays: int = 5):
     totals: dict[str, list[float]] = {}
     for name, d in kernels:
         totals.setdefault(name, []).append(d)
-    return len(glue), sum(d for _, d in glue), per - len(glue), note, totals
+    return glue, per - len(glue), note, totals
 
 
 def run(
@@ -277,8 +288,14 @@ def run(
             graph = capture.graphs[T].graph
             layer_us = replay_time_us(graph)
             classes = kernel_classes(forward, inputs)
-            glue_n, glue_us, heavy_n, note, totals = profile_replay(graph, classes)
-            result.rows.append(Row(variant, T, layer_us, glue_n, glue_us, heavy_n, compile_s, note))
+            glue, heavy_n, note, totals = profile_replay(graph, classes)
+            named = None
+            if variant == "fuser":  # which kernels the remaining glue time goes to
+                named = {}
+                for name, us in glue:
+                    named[name] = round(named.get(name, 0.0) + us, 2)
+            glue_us = sum(us for _, us in glue)
+            result.rows.append(Row(variant, T, layer_us, len(glue), glue_us, heavy_n, compile_s, note, named))
             if variant == "fuser" and T == max(tokens):
                 result.bandwidth = _bandwidth(list(plans.values()), totals, T, result.copy_gbps)
             del capture, graph

@@ -74,7 +74,7 @@ _VIEW_METHODS = {
     "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
     "permute", "transpose", "t", "narrow", "view_as", "reshape_as", "movedim", "select",
 }  # fmt: skip
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.complex64)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.bool, torch.complex64)
 # Reinterpretations that launch nothing in eager (they return views); in a kernel they split a
 # trailing pair of floats into a complex value's (re, im), join it back, or negate im.
 _PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
@@ -428,13 +428,21 @@ def _holds_tensors(value) -> bool:
 
 
 def _register_reshape(src: tuple, dst: tuple) -> bool:
-    """A reshape a kernel can do in registers: equal leading dims, then powers of two only."""
+    """A reshape a kernel can do in registers: equal leading dims, then powers of two only; or
+    the last axis split into (a, b) or merged back from it, b a power of two (padding a block's
+    dims to powers of two then keeps every element where the reshape puts it: [448] padded to
+    [512] is [7, 64] padded to [8, 64])."""
     p = 0
     while p < min(len(src), len(dst)) and src[p] == dst[p]:
         p += 1
     tail_src, tail_dst = src[p:], dst[p:]
-    pow2 = all(s > 0 and s & (s - 1) == 0 for s in tail_src + tail_dst)
-    return bool(tail_src or tail_dst) and pow2 and math.prod(tail_src) == math.prod(tail_dst)
+    if not (tail_src or tail_dst) or math.prod(tail_src) != math.prod(tail_dst):
+        return False
+    if all(s > 0 and s & (s - 1) == 0 for s in tail_src + tail_dst):
+        return True
+    split, merged = sorted((tail_src, tail_dst), key=len, reverse=True)
+    inner = split[-1] if len(split) == 2 else 0
+    return len(split) == 2 and len(merged) == 1 and inner > 0 and inner & (inner - 1) == 0
 
 
 def _tensor_args(node: fx.Node) -> tuple:

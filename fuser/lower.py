@@ -1,8 +1,9 @@
 """lower: turn a region of canonical ops into the body of a Triton *row program*.
 
-A row program runs one program per token row (and, when no op reduces along the last axis,
-per tile of the last axis). Each value lives in registers as a block: its shape without the
-token dim, each dim padded to a power of two. Inputs are loaded through their runtime strides
+A row program runs one program per token row (and per tile of the last axis when no op
+mixes values along it, else per tile of the first axis when none mixes values along that).
+Each value lives in registers as a block: its shape without the token dim, each dim padded to
+a power of two. Inputs are loaded through their runtime strides
 (so views, slices and non-contiguous tensors need no copy); values without a token dim
 (weights) are loaded whole and broadcast. Every op computes in fp32 and rounds to the dtype
 the eager op returns, so bf16 rounding happens exactly where PyTorch rounds.
@@ -28,7 +29,7 @@ class LoweringError(Exception):
 
 TL_DTYPES = {
     torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
-    torch.bool: "tl.int1",
+    torch.float8_e4m3fn: "tl.float8e4nv", torch.bool: "tl.int1",
 }  # fmt: skip
 
 _UNARY = {
@@ -63,14 +64,17 @@ SUPPORTED_OPS = _WHOLE_BLOCK_OPS | set(_UNARY) | set(_BINARY) | REDUCTIONS | {"c
 def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) -> str:
     """``expr`` (of dtype ``source``) converted to ``dtype`` the way PyTorch rounds it.
 
-    fp32 -> bf16 goes through ``to_bf16`` (templates/_kernel_base.py.jinja): round to nearest
-    even in integer arithmetic, so the result is exact on the GPU and in Triton's CPU
-    interpreter alike (the interpreter's own cast truncates).
+    fp32 -> bf16 goes through ``to_bf16`` and fp32 -> fp8 e4m3 through ``to_e4m3``
+    (templates/_kernel_base.py.jinja): round to nearest even in integer arithmetic, so the
+    result is exact on the GPU and in Triton's CPU interpreter alike (the interpreter's own
+    casts truncate, or round fp8 wrongly).
     """
     if dtype == source:
         return expr
     if dtype == torch.bfloat16 and source == torch.float32:
         return f"to_bf16({expr})"
+    if dtype == torch.float8_e4m3fn:
+        return f"to_e4m3({rounded(expr, torch.float32, source)})"
     return f"({expr}).to({TL_DTYPES.get(dtype, 'tl.float32')})"
 
 
@@ -129,9 +133,9 @@ class RowProgram:
     inputs: list[Operand]
     outputs: list[Operand]
     body: list[str] = field(default_factory=list)
-    tiled: bool = False  # the last axis is split across programs
-    last: int = 1  # size of the last axis when tiled
-    block_last: int = 1
+    tiled: bool = False  # one axis (the last, else the first) is split across programs
+    last: int = 1  # size of the tiled axis
+    block_last: int = 1  # its elements per program
     num_warps: int = 4
     numel: int = 1  # padded elements of the largest block
 
@@ -156,6 +160,10 @@ def _expand(base: str, axis: int, rank: int) -> str:
     if rank == 1:
         return base
     return f"{base}[{', '.join(':' if i == axis else 'None' for i in range(rank))}]"
+
+
+def _is_complex(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype.is_complex
 
 
 def _pair_index(rank: int) -> str:
@@ -224,37 +232,52 @@ class _Lowerer:
         return tuple(value.shape)
 
     def _tiling(self) -> tuple[bool, int]:
-        """Tile the outputs' last axis when no op mixes values along it.
+        """Tile the outputs' last axis when no op mixes values along it, else their first axis
+        (the heads of a [T, heads, dim] value) when none mixes values along that one.
 
         The tiled axis is followed backwards from the outputs through broadcasts, reshapes that
-        only add or drop size-1 dims, and reductions over other axes; ``self.tile_axis`` records
-        which axis of each value it is (None: the value is broadcast along it).
+        keep it, and reductions over other axes; ``self.tile_axis`` records which axis of each
+        value it is (None: the value is broadcast along it).
         """
         self.tile_axis: dict[fx.Node, int | None] = {}
+        self._leading = False
         outs = [self.block_shape(n) for n in self.outputs]
-        if not all(outs) or len({s[-1] for s in outs}) != 1 or outs[0][-1] <= 1:
+        if not all(outs):
             return False, 1
-        last = outs[0][-1]
+        for leading in (False, True):
+            size = self._tile(outs, leading)
+            if size:
+                self._leading = leading
+                return True, size
+        return False, 1
+
+    def _tile(self, outs: list[tuple[int, ...]], leading: bool) -> int:
+        """The size of the tiled axis (the outputs' first one when ``leading``, else their last),
+        or 0 when it cannot be tiled."""
+        sizes = {s[0] if leading else s[-1] for s in outs}
+        size = sizes.pop() if len(sizes) == 1 else 1
+        if size <= 1 or (leading and any(len(s) < 2 for s in outs)):
+            return 0
         for node in self.nodes:
             cop = self.cops[node]
             regrouped = cop.op == "reshape" and _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node)) is None
-            if cop.op in _WHOLE_BLOCK_OPS or regrouped or self.traced.value(node).dtype.is_complex:
-                return False, 1
-        axis: dict[fx.Node, int | None] = {n: len(shape) - 1 for n, shape in zip(self.outputs, outs)}
+            last_axis_only = cop.op in _WHOLE_BLOCK_OPS or regrouped or _is_complex(self.traced.value(node))
+            if last_axis_only and not leading:
+                return 0
+        axis: dict[fx.Node, int | None] = {n: 0 if leading else len(shape) - 1 for n, shape in zip(self.outputs, outs)}
         for node in reversed(self.nodes):
             mine = axis.setdefault(node, None)
             cop = self.cops[node]
             for arg in cop.args:
                 if not isinstance(arg, fx.Node):
                     continue
-                theirs = self._arg_axis(node, cop, arg, mine, last)
+                theirs = self._arg_axis(node, cop, arg, mine, size)
                 if theirs == "conflict" or axis.setdefault(arg, theirs) != theirs:
-                    self.tile_axis = {}
-                    return False, 1
+                    return 0
         self.tile_axis = axis
-        return True, last
+        return size
 
-    def _arg_axis(self, node, cop: COp, arg: fx.Node, mine, last):
+    def _arg_axis(self, node, cop: COp, arg: fx.Node, mine, size):
         """Which axis of ``arg`` feeds the tiled axis ``mine`` of ``node`` (or "conflict")."""
         shape, src = self.block_shape(node), self.block_shape(arg)
         if mine is None:
@@ -270,11 +293,16 @@ class _Lowerer:
         if cop.kind == UNIT_VIEW and cop.op == "reshape":
             before = sum(1 for s in shape[:mine] if s != 1)
             positions = [i for i, s in enumerate(src) if s != 1]
-            return positions[before] if before < len(positions) and src[positions[before]] == last else "conflict"
+            return positions[before] if before < len(positions) and src[positions[before]] == size else "conflict"
+        if cop.op in _WHOLE_BLOCK_OPS or _is_complex(self.traced.value(node)):
+            # They work on the last axis (or pair it up); the leading axes line up from the left.
+            if mine >= len(shape) - 1 or mine >= len(src) - 1:
+                return "conflict"
+            return None if src[mine] == 1 else mine if src[mine] == size else "conflict"
         k = mine - (len(shape) - len(src))  # elementwise, expand: numpy right-aligned broadcast
         if k < 0 or src[k] == 1:
             return None
-        return k if src[k] == last else "conflict"
+        return k if src[k] == size else "conflict"
 
     def _block_axes(self, cop: COp) -> list[int]:
         src = cop.args[0]
@@ -288,7 +316,7 @@ class _Lowerer:
     def axis_index(self, node: fx.Node, axis: int, rank: int) -> str:
         """Index along ``axis`` of ``node``'s rank-``rank`` block, broadcastable against others."""
         size = self.block_shape(node)[axis]
-        base = "cols" if self.is_tiled(node, axis) else f"tl.arange(0, {pow2(size)})"
+        base = "tile" if self.is_tiled(node, axis) else f"tl.arange(0, {pow2(size)})"
         if rank == 1:
             return base
         expand = ", ".join(":" if i == axis else "None" for i in range(rank))
@@ -394,7 +422,11 @@ class _Lowerer:
                 terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
             cols = _expand(f"tl.arange(0, {pow2(width)})", rank - 1, rank)
             terms.append(f"({cols} + {offset}) * {operand.name}_stride_{rank - 1}")
-            masks = [f"({self.axis_index(node, a, rank)} < {s})" for a, s in enumerate(operand.shape[:-1]) if pow2(s) != s]
+            masks = [
+                f"({self.axis_index(node, a, rank)} < {s})"
+                for a, s in enumerate(operand.shape[:-1])
+                if pow2(s) != s or self.is_tiled(node, a)
+            ]  # fmt: skip
             if pow2(width) != width:
                 masks.append(f"({cols} < {width})")
             extra = f", mask={' & '.join(masks)}" if masks else ""
@@ -714,7 +746,8 @@ class _Lowerer:
                 math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))
                 for n in values
             )
-            self.block_last = min(pow2(self.last), max(16, pow2(max(1, 2048 // others))))
+            floor = 1 if self._leading else 16  # at least 16 columns; heads by the one
+            self.block_last = min(pow2(self.last), max(floor, pow2(max(1, 2048 // others))))
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
         self._operands = ins
         for operand, node in zip(ins, self.inputs):

@@ -145,6 +145,17 @@ class RegionBuilder:
                     return f"`{writer.name}` writes `{inp.name}` while the chain reads it", self.order[writer]
         return None
 
+    def peel(self, nodes: list[fx.Node]) -> list[fx.Node]:
+        """``nodes`` without the reshapes of inputs and of heavy ops' results: those stay in the
+        graph as views, and the kernel reads them through their strides (``wq_b(x).view(T,
+        heads, dim)`` loads as [heads, dim], which a kernel can split by heads, not as one row)."""
+        return [n for n in nodes if not self.view_of_input(n)]
+
+    def view_of_input(self, node: fx.Node) -> bool:
+        """A reshape of a graph input or of a heavy op's result: a view no kernel needs to take."""
+        cop = self.cops[node]
+        return cop.op == "reshape" and isinstance(cop.args[0], fx.Node) and self.cops[cop.args[0]].kind in (INPUT, HEAVY)
+
     def drop_view_outputs(self, region: "Region") -> "Region":
         """An output that only reshapes another output stays in the graph as a view of it (when
         it comes after the kernel): the kernel writes each value once."""
@@ -191,7 +202,7 @@ class RegionBuilder:
             inputs, outputs = list(match.inputs), list(match.outputs)
         else:
             # Lowered from the graph: views of the inputs stay (free) and become its inputs.
-            nodes = sorted((n for n in match.primary if fusible(self.cops[n])), key=self.order.get)
+            nodes = self.peel(sorted((n for n in match.primary if fusible(self.cops[n])), key=self.order.get))
             covered = {c for n in nodes for c in self.cops[n].covers}
             inputs, _ = self.boundary(nodes)
             outputs = list(match.outputs)
@@ -231,13 +242,13 @@ class RegionBuilder:
         """Cheap glue computed from graph inputs only (a table lookup, a view of it): each kernel
         that reads it may compute it again instead of reading a copy someone wrote."""
         cop = self.cops.get(node)
-        if cop is None or not fusible(cop) or cop.op not in _RECOMPUTABLE:
+        if cop is None or not fusible(cop) or cop.op not in _RECOMPUTABLE or self.view_of_input(node):
             return False
         return all(self.cops[a].kind == INPUT or self.recomputable(a) for a in cop.args if isinstance(a, fx.Node))
 
     def _place(self, nodes: list[fx.Node]) -> list[Region]:
         """Split a component until every part can run at one point of the program."""
-        nodes = sorted(nodes, key=self.order.get)
+        nodes = self.peel(sorted(nodes, key=self.order.get))
         lowered, recomputed = list(nodes), set()
         while True:
             extra = [i for i in self.boundary(lowered)[0] if self.recomputable(i)]
@@ -326,7 +337,7 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
         return None
     covered, grown = set(region.covered), False
     for node in leftovers:
-        if node in covered:
+        if node in covered or builder.view_of_input(node):
             continue
         args = [a for a in builder.args_of(node)]
         epilogue = any(a in covered for a in args) and all(
@@ -391,8 +402,9 @@ def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
                 covered.discard(node)  # a view stays in the graph, the kernel reads it
             else:
                 return None
+    nodes = builder.peel(sorted(nodes, key=builder.order.get))
+    covered -= {n for n in covered if builder.cops[n].op == "reshape" and n not in nodes}
     recomputed -= covered
-    nodes.sort(key=builder.order.get)
     inputs, outputs = builder.boundary(nodes, recomputed)
     position, _, _ = builder.placement(covered, inputs, outputs)
     if position is None:

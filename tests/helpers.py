@@ -80,7 +80,7 @@ def assert_close(actual, expected, tolerances: dict, what: str = "output"):
         return
     rtol, atol = tolerances[expected.dtype]
     torch.testing.assert_close(
-        actual.detach(), expected.detach(), rtol=rtol, atol=atol, equal_nan=True,
+        actual.detach().float(), expected.detach().float(), rtol=rtol, atol=atol, equal_nan=True,
         msg=lambda m: f"{what} ({expected.dtype}, rtol={rtol:g}, atol={atol:g}): {m}",
     )  # fmt: skip
 

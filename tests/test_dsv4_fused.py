@@ -30,12 +30,11 @@ def test_fused_layer_matches_eager(fused, T):
     factory, layer, _ = fused
     # The same seed gives the same weights and KV history at every T; only the inputs differ.
     eager, inputs = factory(T=T)
-    cache = layer.self_attn.attn.kv_cache
-    eager_cache = eager.self_attn.attn.kv_cache
+    attn, eager_attn = layer.self_attn.attn, eager.self_attn.attn
     for (name, p), (_, q) in zip(layer.named_parameters(), eager.named_parameters()):
         assert torch.equal(p, q), name
     with torch.no_grad():
-        cache.copy_(eager_cache)  # earlier calls wrote into the fused layer's cache
+        attn.load_state_dict(eager_attn.state_dict())  # earlier calls wrote into the fused layer's cache
     assert layer.__dict__["_fuser_state"].guard.why_not(inputs, {}) is None, "the fused path must run"
     shared_input = torch.empty(T, layer.cfg.hidden_size, dtype=torch.bfloat16)
     shared_guard = layer.get_submodule(SHARED).__dict__["_fuser_state"].guard
@@ -52,13 +51,14 @@ def test_fused_layer_matches_eager(fused, T):
     assert got.shape == expected.shape and got.dtype == expected.dtype
     problem = mismatch(got, expected, "output", LAYER)
     assert problem is None, problem
-    # The cache: the slots this call wrote hold the same keys (compared on their own, so the
-    # untouched history does not dilute the error), and nothing else changed.
+    # The cache: the slots this call wrote hold the same keys, dequantised (compared on their
+    # own, so the untouched history does not dilute the error), and nothing else changed.
     _, positions, req_pool_indices, _ = inputs
     slots = positions % layer.cfg.window_size
+    cache, eager_cache = attn.keys(), eager_attn.keys()
     written = torch.zeros(cache.shape[:2], dtype=torch.bool)
     written[req_pool_indices, slots] = True
-    problem = mismatch(cache[written], eager_cache[written], "kv_cache (written slots)", LAYER)
+    problem = mismatch(cache[written], eager_cache[written], "kv cache (written slots)", LAYER)
     assert problem is None, problem
     assert torch.equal(cache[~written], eager_cache[~written]), "the fused forward wrote outside its slots"
 

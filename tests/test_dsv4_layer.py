@@ -76,21 +76,34 @@ def test_experts_leaf_matches_per_token_loop(T):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2, msg=lambda m: f"{m}\nmax diff {_max_diff(out, ref)}")
 
 
-def _attention_reference(cache, window, q, kv, positions, req_pool_indices, attn_sink):
-    """Loop per token over the window positions max(0, pos-window+1)..pos; V == K."""
-    cache = cache.clone()
+def _attention_reference(keys, window, q, k, positions, req_pool_indices, attn_sink):
+    """Loop per token over the window positions max(0, pos-window+1)..pos; V == K. ``keys`` is
+    the dequantised cache [requests, window, head_dim] fp32, ``k`` the new keys, dequantised."""
+    keys = keys.clone()
     for t in range(q.shape[0]):
-        cache[req_pool_indices[t], positions[t] % window] = kv[t]
+        keys[req_pool_indices[t], positions[t] % window] = k[t]
     scale = q.shape[-1] ** -0.5
     out = torch.empty(q.shape, dtype=torch.float32)
     for t in range(q.shape[0]):
         pos, req = positions[t].item(), req_pool_indices[t].item()
-        keys = torch.stack([cache[req, p % window].float() for p in range(max(0, pos - window + 1), pos + 1)])
-        s = q[t].float() @ keys.T * scale  # [heads, n_valid]
+        window_keys = torch.stack([keys[req, p % window] for p in range(max(0, pos - window + 1), pos + 1)])
+        s = q[t].float() @ window_keys.T * scale  # [heads, n_valid]
         e = torch.exp(s)
         p = e / (e.sum(-1, keepdim=True) + torch.exp(attn_sink).unsqueeze(-1))
-        out[t] = p @ keys
-    return out.to(torch.bfloat16), cache
+        out[t] = p @ window_keys
+    return out.to(torch.bfloat16), keys
+
+
+def _new_keys(cfg, T, gen):
+    """Random keys as the layer hands them to the cache: (fp8 no-RoPE part, its scales, bf16 RoPE
+    part), and the same keys dequantised."""
+    k = torch.randn(T, cfg.head_dim, generator=gen)
+    k_nope, k_scale = dsv4.quantize_fp8(k[:, : cfg.nope_dim], cfg.kv_quant_block)
+    k_rope = k[:, cfg.nope_dim :].to(torch.bfloat16)
+    dequantised = torch.cat(
+        [(k_nope.float().unflatten(-1, (-1, cfg.kv_quant_block)) * k_scale.unsqueeze(-1)).flatten(-2), k_rope.float()], -1
+    )
+    return (k_nope, k_scale, k_rope), dequantised
 
 
 @pytest.mark.parametrize("T", [1, 3, 16])
@@ -99,14 +112,30 @@ def test_attention_leaf_matches_window_loop(T):
     attn, cfg = layer.self_attn.attn, layer.cfg
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(T, cfg.n_heads, cfg.head_dim, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(T, cfg.head_dim, generator=gen).to(torch.bfloat16)
+    parts, k = _new_keys(cfg, T, gen)
     sink = layer.self_attn.attn_sink
 
-    ref, ref_cache = _attention_reference(attn.kv_cache, cfg.window_size, q, kv, positions, req_pool_indices, sink)
-    out = attn(q, kv, positions, req_pool_indices, sink)
+    ref, ref_keys = _attention_reference(attn.keys(), cfg.window_size, q, k, positions, req_pool_indices, sink)
+    out = attn(q, *parts, positions, req_pool_indices, sink)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
-    assert torch.equal(attn.kv_cache, ref_cache)
+    assert torch.equal(attn.keys(), ref_keys)
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2, msg=lambda m: f"{m}\nmax diff {_max_diff(out, ref)}")
+
+
+def test_fp8_cache_quantisation_round_trips_within_one_fp8_step():
+    """Each block's scale is a power of two with amax / scale in (224, 448]: dequantised, every
+    value is within half an e4m3 step (2^-4 relative) of the original, or the subnormal step."""
+    cfg = dsv4.FLASH
+    rows = torch.tensor([1e-5, 1e-3, 1.0, 50.0, 1e4])[:, None]  # the first below the 1e-4 floor
+    x = torch.randn(5, cfg.nope_dim, generator=torch.Generator().manual_seed(4)) * rows
+    q, scale = dsv4.quantize_fp8(x, cfg.kv_quant_block)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (5, cfg.nope_dim // 64)
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round())), "scales are powers of two"
+    amax = x.unflatten(-1, (-1, 64)).abs().amax(-1).clamp_min(1e-4)
+    assert ((amax / scale <= dsv4.FP8_MAX) & (amax / scale > dsv4.FP8_MAX / 2)).all()
+    back = (q.float().unflatten(-1, (-1, 64)) * scale.unsqueeze(-1)).flatten(-2)
+    step = scale.repeat_interleave(64, -1) * 2.0**-9
+    assert ((back - x).abs() <= torch.maximum(x.abs() * 2.0**-4, step)).all()
 
 
 def test_attention_leaf_masks_slots_before_position_zero():
@@ -114,12 +143,13 @@ def test_attention_leaf_masks_slots_before_position_zero():
     layer, _ = dsv4.tiny(T=1)
     attn, cfg = layer.self_attn.attn, layer.cfg
     q = torch.randn(1, cfg.n_heads, cfg.head_dim).to(torch.bfloat16)
-    kv = torch.randn(1, cfg.head_dim).to(torch.bfloat16)
+    parts, _ = _new_keys(cfg, 1, torch.Generator().manual_seed(3))
     positions, req = torch.tensor([1]), torch.tensor([0])
     sink = layer.self_attn.attn_sink
-    before = attn(q, kv, positions, req, sink)
-    attn.kv_cache[0, 2:] = 1e3  # slots 2.. would hold positions < 0: invisible
-    after = attn(q, kv, positions, req, sink)
+    before = attn(q, *parts, positions, req, sink)
+    attn.k_scale[0, 2:] = 1e3  # slots 2.. would hold positions < 0: invisible
+    attn.k_rope[0, 2:] = 1e3
+    after = attn(q, *parts, positions, req, sink)
     assert torch.equal(before, after)
 
 
@@ -127,18 +157,21 @@ def test_attention_leaf_masks_slots_before_position_zero():
 def test_forward_writes_current_k_and_nothing_else(hash_layer):
     layer, inputs = dsv4.tiny(T=6, hash_layer=hash_layer)
     _, positions, req_pool_indices, _ = inputs
-    cache = layer.self_attn.attn.kv_cache
-    cache_before = cache.clone()
+    attn = layer.self_attn.attn
+    cache_before = attn.keys()
     params_before = {n: p.clone() for n, p in layer.named_parameters()}
     inputs_before = [t.clone() for t in inputs]
     seen = {}
-    layer.self_attn.attn.register_forward_hook(lambda mod, args, out: seen.update(kv=args[1]))
+    attn.register_forward_hook(lambda mod, args, out: seen.update(k_nope=args[1], k_scale=args[2], k_rope=args[3]))
 
     layer(*inputs)
 
     slots = positions % layer.cfg.window_size
-    assert torch.equal(cache[req_pool_indices, slots], seen["kv"])
-    assert not torch.equal(cache_before[req_pool_indices, slots], seen["kv"])
+    assert torch.equal(attn.k_nope[req_pool_indices, slots].view(torch.uint8), seen["k_nope"].view(torch.uint8))
+    assert torch.equal(attn.k_scale[req_pool_indices, slots], seen["k_scale"])
+    assert torch.equal(attn.k_rope[req_pool_indices, slots], seen["k_rope"])
+    cache = attn.keys()
+    assert not torch.equal(cache_before[req_pool_indices, slots], cache[req_pool_indices, slots])
     untouched = torch.ones(cache.shape[:2], dtype=torch.bool)
     untouched[req_pool_indices, slots] = False
     assert torch.equal(cache[untouched], cache_before[untouched])

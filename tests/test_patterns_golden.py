@@ -36,6 +36,7 @@ KERNEL_TOLERANCE = {
     torch.float32: (1e-4, 1e-5),
     torch.float16: (2e-3, 1e-3),
     torch.bfloat16: (2**-7, 1e-2),
+    torch.float8_e4m3fn: (2**-3, 2**-9),
 }
 
 TRACE_T = 3  # the token count fuser traces at
@@ -660,3 +661,38 @@ def test_a_result_copied_into_a_slice_is_written_there(dim, rope, dtype):
     )  # fmt: skip
     (chain,) = report.chains
     assert "setitem" in chain.nodes, report.text()
+
+
+def kv_norm_rope_fp8(kv, weight, freqs, rope, block):
+    """DSV4.md C5: kv_norm in fp32 (not rounded), RoPE on the last ``rope`` dims rounded to bf16,
+    the rest quantised to FP8 e4m3 with one UE8M0 scale per ``block`` values."""
+    from examples.dsv4.layer import apply_rope, quantize_fp8, rms_scale
+
+    kf = kv.float()
+    kn = kf * rms_scale(kf, 1e-6) * weight
+    nope = kv.shape[-1] - rope
+    k_nope, k_scale = quantize_fp8(kn[..., :nope], block)
+    return apply_rope(kn[..., nope:], freqs).to(torch.bfloat16), k_nope, k_scale
+
+
+class KVNormRopeFP8(nn.Module):
+    def __init__(self, dim, rope, block, seed=0):
+        super().__init__()
+        self.rope, self.block = rope, block
+        self.weight = nn.Parameter(randn(gen(seed), dim, scale=0.1).add(1.0).to(BF16))
+
+    def forward(self, kv, freqs):
+        return kv_norm_rope_fp8(kv, self.weight, freqs, self.rope, self.block)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,rope,block", [(48, 8, 8), (512, 64, 64)])  # 5 and 7 scales per key
+def test_kv_norm_rope_and_fp8_cache_quantisation_are_one_kernel(dim, rope, block, dtype):
+    module = KVNormRopeFP8(dim, rope, block)
+    # On fp32 input (.float() a no-op) the norm is spelled as the rmsnorm pattern: it merges in.
+    golden(
+        "rmsnorm+generic+generic" if dtype == FP32 else "generic", module,
+        lambda T: (randn(gen(T), T, dim, dtype=dtype, scale=3.0), rope_freqs(T, rope, T)[:, 0]),
+        lambda kv, f: kv_norm_rope_fp8(kv, module.weight.detach(), f, rope, block),
+        template="row_reduce",
+    )  # fmt: skip

@@ -37,7 +37,7 @@ def _tiny_tp_rank(rank, world):
     got, ids = run_with_expert_ids(layer, inputs)
     _matches_full(got, ids, expected, expected_ids, f"rank {rank}: eager TP vs full")
     # The kv path is replicated, not sharded: the same keys land in the same slots.
-    assert torch.equal(layer.self_attn.attn.kv_cache, full.self_attn.attn.kv_cache), f"rank {rank}: kv cache"
+    assert torch.equal(layer.self_attn.attn.keys(), full.self_attn.attn.keys()), f"rank {rank}: kv cache"
 
     plan = fuser.api.apply_plan(layer, inputs)
     reductions = [n for n in plan.graph.nodes if n.op == "call_function" and n.target is tp.all_reduce]
@@ -48,7 +48,7 @@ def _tiny_tp_rank(rank, world):
     for T in (2, 5):  # one trace serves every token count
         full_T, inputs_T = dsv4.tiny(T=T)
         with torch.no_grad():  # earlier calls wrote other slots of the TP layer's cache
-            layer.self_attn.attn.kv_cache.copy_(full_T.self_attn.attn.kv_cache)
+            layer.self_attn.attn.load_state_dict(full_T.self_attn.attn.state_dict())
         assert layer.__dict__[STATE_ATTR].guard.why_not(inputs_T, {}) is None, "the fused path must run"
         expected, expected_ids = run_with_expert_ids(full_T, inputs_T)
         got, ids = run_with_expert_ids(layer, inputs_T)

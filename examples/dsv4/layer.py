@@ -1,9 +1,10 @@
 """A plain-PyTorch DeepSeek-V4 decoder layer, decode path only.
 
 The math follows docs/DSV4.md section 2 step by step (letters A-H, C1-C11, G1-G5 in the comments
-refer to it). fp32 where sglang computes in fp32, bf16 rounding exactly where sglang rounds. Two
-simplifications: the layer is SWA-only (compress ratio 0: no compressor, no indexer), and its KV
-cache is bf16 instead of the production FP8 one.
+refer to it). fp32 where sglang computes in fp32, bf16 rounding exactly where sglang rounds. One
+simplification: the layer is SWA-only (compress ratio 0: no compressor, no indexer). Its KV cache
+is the production one: the no-RoPE part of each key in FP8 e4m3 with one UE8M0 (power-of-two)
+scale per 64 values, the RoPE part in bf16.
 
 Layout of one layer (R is the mHC residual stream, [T, hc_mult, H] bf16):
 
@@ -58,6 +59,7 @@ class DSV4Config:
     max_position: int
     vocab_size: int
     hash_layer: bool = False
+    kv_quant_block: int = 64  # values per UE8M0 scale in the FP8 key cache
     rms_norm_eps: float = 1e-6
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -95,7 +97,7 @@ TINY = DSV4Config(
     hidden_size=64,
     n_heads=4,
     head_dim=32,
-    rope_dim=16,
+    rope_dim=8,
     q_lora_rank=48,
     o_groups=2,
     o_lora_rank=32,
@@ -106,6 +108,7 @@ TINY = DSV4Config(
     max_requests=256,
     max_position=64,
     vocab_size=256,
+    kv_quant_block=8,  # 3 scales per key, as flash has 7: not a power of two
 )
 
 
@@ -210,6 +213,26 @@ def rope_tail(x, freqs, nope_dim):
     return torch.cat([x[..., :nope_dim], apply_rope(x[..., nope_dim:], freqs)], dim=-1)
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def ue8m0(y):
+    """The smallest power of two >= y (y > 0): a UE8M0 scale is an exponent alone. exp2(ceil(log2
+    y)), then corrected by one step either way, so that log2's last-place error never shows."""
+    s = torch.exp2(torch.ceil(torch.log2(y)))
+    s = torch.where(s * 0.5 >= y, s * 0.5, s)
+    return torch.where(s < y, s * 2.0, s)
+
+
+def quantize_fp8(x, block):
+    """C5 cache store: FP8 e4m3 with one UE8M0 scale per ``block`` values along the last dim,
+    s = ue8m0(max(1e-4, amax) / 448), q = fp8(x / s). Returns (q [..., n] fp8, s [..., n/block])."""
+    blocks = x.unflatten(-1, (-1, block))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = ue8m0(torch.clamp(amax, min=1e-4) / FP8_MAX)
+    return (blocks / scale).to(torch.float8_e4m3fn).flatten(-2), scale.squeeze(-1)
+
+
 def swiglu_clamp(gate_up, inter, limit):
     """silu(min(g, limit)) * clamp(u, -limit, limit): clamps in the input dtype (bf16), the
     product in fp32, rounded back (G3/G4, silu_and_mul_clamp)."""
@@ -234,22 +257,38 @@ class SlidingWindowAttention(nn.Module):
     """C5 cache store + C8 attention over the sliding window, with a per-head sink.
 
     The cache is a ring buffer per request: slot s of request r holds the latest position p' with
-    p' % window == s. V == K (all head_dim dims, rope part included).
+    p' % window == s. Each key is stored as sglang's FlashMLA cache holds it: the no-RoPE dims in
+    FP8 e4m3 (``k_nope``) with one UE8M0 scale per block (``k_scale``), the RoPE dims in bf16
+    (``k_rope``). V == K (all head_dim dims, rope part included).
     """
 
     def __init__(self, cfg: DSV4Config):
         super().__init__()
         self.window = cfg.window_size
         self.scale = cfg.head_dim**-0.5
-        self.register_buffer(
-            "kv_cache", torch.zeros(cfg.max_requests, cfg.window_size, cfg.head_dim, dtype=torch.bfloat16)
-        )
+        self.block = cfg.kv_quant_block
+        assert cfg.nope_dim % self.block == 0, f"nope dim {cfg.nope_dim} is not whole blocks of {self.block}"
+        slots = (cfg.max_requests, cfg.window_size)
+        self.register_buffer("k_nope", torch.zeros(*slots, cfg.nope_dim, dtype=torch.float8_e4m3fn))
+        self.register_buffer("k_scale", torch.ones(*slots, cfg.nope_dim // self.block, dtype=torch.float32))
+        self.register_buffer("k_rope", torch.zeros(*slots, cfg.rope_dim, dtype=torch.bfloat16))
 
-    def forward(self, q, kv, positions, req_pool_indices, attn_sink):
+    def keys(self, index=slice(None)) -> torch.Tensor:
+        """The cached keys of the requests ``index``, dequantised: fp32 [..., window, head_dim]."""
+        nope = self.k_nope[index].float().unflatten(-1, (-1, self.block)) * self.k_scale[index].unsqueeze(-1)
+        return torch.cat([nope.flatten(-2), self.k_rope[index].float()], dim=-1)
+
+    def store(self, req_pool_indices, slots, k_nope, k_scale, k_rope):
+        # index_put_ has no float8 kernel: the FP8 bytes are written as uint8.
+        self.k_nope.view(torch.uint8).index_put_((req_pool_indices, slots), k_nope.view(torch.uint8))
+        self.k_scale.index_put_((req_pool_indices, slots), k_scale)
+        self.k_rope.index_put_((req_pool_indices, slots), k_rope)
+
+    def forward(self, q, k_nope, k_scale, k_rope, positions, req_pool_indices, attn_sink):
         slots = positions % self.window
-        self.kv_cache.index_put_((req_pool_indices, slots), kv)
+        self.store(req_pool_indices, slots, k_nope, k_scale, k_rope)
 
-        k = self.kv_cache[req_pool_indices].float()  # [T, W, D]
+        k = self.keys(req_pool_indices)  # [T, W, D] fp32
         # Absolute position held by each slot: the latest p' <= pos with p' % W == slot. It is in
         # (pos - W, pos] by construction, so a slot is valid iff that position is not negative.
         slot_ids = torch.arange(self.window, device=positions.device)
@@ -390,6 +429,7 @@ class MQALayer(nn.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
         self.nope_dim = cfg.nope_dim
+        self.kv_quant_block = cfg.kv_quant_block
         self.q_lora_rank = cfg.q_lora_rank
         self.o_groups = cfg.o_groups
         self.o_lora_rank = cfg.o_lora_rank
@@ -422,12 +462,14 @@ class MQALayer(nn.Module):
         q = (qf * rms_scale(qf, self.eps)).to(torch.bfloat16)
         q = rope_tail(q, freqs.unsqueeze(1), self.nope_dim)
 
-        # C5: kv_norm stays fp32 (not rounded) through the RoPE; the whole k is rounded once.
+        # C5: kv_norm stays fp32 (not rounded); the RoPE part is rounded to bf16 after its RoPE,
+        # the rest quantised to FP8 with a UE8M0 scale per block, as the cache stores them.
         kf = kv.float()
         kn = kf * rms_scale(kf, self.eps) * self.kv_norm.weight
-        k = rope_tail(kn, freqs, self.nope_dim).to(torch.bfloat16)
+        k_rope = apply_rope(kn[..., self.nope_dim :], freqs).to(torch.bfloat16)
+        k_nope, k_scale = quantize_fp8(kn[..., : self.nope_dim], self.kv_quant_block)
 
-        o = self.attn(q, k, positions, req_pool_indices, self.attn_sink)  # C5 store + C8
+        o = self.attn(q, k_nope, k_scale, k_rope, positions, req_pool_indices, self.attn_sink)  # C5 store + C8
 
         # C9: inverse RoPE on the attention output, in place, bf16.
         o[..., self.nope_dim :] = apply_rope(o[..., self.nope_dim :], freqs.conj().unsqueeze(1))
@@ -575,10 +617,15 @@ def _init_parameters(layer: DeepseekV4DecoderLayer, gen: torch.Generator):
 
 
 def _fill_state(layer: DeepseekV4DecoderLayer, gen: torch.Generator):
-    """Random KV history (unit-RMS like real normed keys) and, on hash layers, a routing table
-    with distinct experts per token."""
+    """Random KV history (unit-RMS like real normed keys, stored as the cache stores them) and,
+    on hash layers, a routing table with distinct experts per token."""
     cfg = layer.cfg
-    layer.self_attn.attn.kv_cache.normal_(0.0, 1.0, generator=gen)
+    attn = layer.self_attn.attn
+    keys = torch.randn(*attn.k_nope.shape[:2], cfg.head_dim, generator=gen, device=attn.k_nope.device)
+    k_nope, k_scale = quantize_fp8(keys[..., : cfg.nope_dim], cfg.kv_quant_block)
+    attn.k_nope.view(torch.uint8).copy_(k_nope.view(torch.uint8))
+    attn.k_scale.copy_(k_scale)
+    attn.k_rope.copy_(keys[..., cfg.nope_dim :])
     if cfg.hash_layer:
         tid2eid = layer.mlp.topk.tid2eid
         noise = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen, device=tid2eid.device)
