@@ -3,8 +3,14 @@
 Pattern matches come first. The glue no pattern claims is grouped by the generic fallback:
 connected elementwise/reduction nodes at the same *depth*, where a node's depth counts how
 often its longest path from the inputs leaves the fusible glue through a barrier (GEMMs,
-leaves, in-place writes, unsupported ops, views of computed values, pattern regions). Nodes separated by a barrier never share a
-kernel, which keeps every region free of cycles through the rest of the graph.
+leaves, in-place writes, unsupported ops, views a kernel cannot take, pattern regions). Nodes
+separated by a barrier never share a kernel, which keeps every region free of cycles through
+the rest of the graph.
+
+Then regions merge (:func:`merged`): a region and one that reads its outputs, or two that read
+the same activation, become one when the union lowers as one row program and has a place to
+run; and a region whose result is only copied into a slice of another tensor writes it there
+(:func:`stored_in_place`).
 
 Every region must also be safe to run at one point of the program — the place of its last
 node, or else right after its last input is made: all its inputs exist there, all values it
