@@ -382,6 +382,8 @@ def _token_free(traced: Traced, node: fx.Node) -> bool:
 
 def _reason(node: fx.Node, cops, covered: set) -> str:
     cop = cops[node]
+    if cop.op == "reshape_copy":
+        return "a reshape PyTorch must copy (no view fits its input's layout): runs as that copy"
     if cop.kind == UNSUPPORTED or (cop.kind == COMPUTE and not fusible(cop)):
         return f"no template lowers {cop.op}"
     if cop.kind == MUTATION:

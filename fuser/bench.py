@@ -6,8 +6,10 @@ per layer and their GPU time, and torch.compile's compile time; for fuser's larg
 the bandwidth they reach against a copy measured in the same run.
 
 Telling glue from heavy kernels: one eager (non-graph) forward runs with a marker kernel
-(``torch.cuda._sleep``) launched before and after every opaque leaf; kernels between markers
-belong to a leaf, GEMM kernels are known by name, the rest is glue. A leaf that wraps other
+(``torch.cuda._sleep``) launched before and after every opaque leaf and every call of a heavy
+function (``F.linear``, ``torch.einsum``, ``torch.matmul``, ...: fuser's HEAVY ops); kernels
+between markers belong to a heavy op (a GEMM, or a layout copy ``torch.einsum`` makes for it),
+GEMM kernels are also known by name, the rest is glue. A leaf that wraps other
 modules (a side-stream region) gets no markers: the glue inside it is glue, which a nested
 ``fuser.apply`` fuses (``run(..., fuse=...)``). Graph replay runs the same kernels in the same
 order, so the replay's kernels take their class by position. Leaves are kept out of
@@ -165,6 +167,40 @@ def _kernels(prof) -> list[tuple[str, float]]:
 
 
 _MARKING = [False]  # set while kernel_classes profiles: leaves then launch marker kernels
+_DEPTH = [0]  # heavy calls in progress: only the outermost one is marked
+
+
+def _marked(call: Callable) -> Callable:
+    """``call`` with a marker kernel before and after it while ``_MARKING`` is set (the
+    outermost heavy call only: a GEMM inside a leaf belongs to the leaf)."""
+
+    def marked(*args, **kwargs):
+        outermost = _MARKING[0] and _DEPTH[0] == 0
+        if outermost:
+            torch.cuda._sleep(1)
+        _DEPTH[0] += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+            if outermost:
+                torch.cuda._sleep(1)
+
+    return marked
+
+
+def _heavy_functions() -> list[tuple[object, str]]:
+    """(namespace, name) of each heavy function fuser keeps as it is (``canon.HEAVY_FUNCTIONS``)."""
+    import torch.nn.functional as F
+
+    from fuser.canon import HEAVY_FUNCTIONS
+
+    found = []
+    for namespace in (torch, F):
+        for name, value in vars(namespace).items():
+            if not name.startswith("__") and any(value is f for f in HEAVY_FUNCTIONS):
+                found.append((namespace, name))
+    return found
 
 
 def mark_leaves(module: torch.nn.Module, *, keep_from_dynamo: bool = False) -> None:
@@ -177,32 +213,31 @@ def mark_leaves(module: torch.nn.Module, *, keep_from_dynamo: bool = False) -> N
     for m in module.modules():
         if not is_opaque(type(m)) or next(m.children(), None) is not None:
             continue
-        inner = m.forward
-
-        def forward(*args, __inner=inner, **kwargs):
-            if _MARKING[0]:
-                torch.cuda._sleep(1)
-            out = __inner(*args, **kwargs)
-            if _MARKING[0]:
-                torch.cuda._sleep(1)
-            return out
-
+        forward = _marked(m.forward)
         m.forward = torch._dynamo.disable(forward) if keep_from_dynamo else forward
 
 
-def kernel_classes(forward: Callable, inputs: tuple) -> list[tuple[str, str]]:
+def kernel_classes(forward: Callable, inputs: tuple, heavy_calls: bool = True) -> list[tuple[str, str]]:
     """(kernel name, 'glue' | 'heavy') for one eager forward, in launch order (the module's
-    leaves must be wrapped by :func:`mark_leaves`)."""
+    leaves must be wrapped by :func:`mark_leaves`). With ``heavy_calls`` the heavy functions are
+    marked too (not under torch.compile: patching them would make Dynamo compile again, and
+    compiled code calls its GEMMs, known by name, without them)."""
     with torch.no_grad():
         forward(*inputs)  # warm
         torch.cuda.synchronize()
+        heavy = _heavy_functions() if heavy_calls else []
+        originals = [getattr(namespace, name) for namespace, name in heavy]
         _MARKING[0] = True
         try:
+            for (namespace, name), original in zip(heavy, originals):
+                setattr(namespace, name, _marked(original))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 forward(*inputs)
                 torch.cuda.synchronize()
         finally:
             _MARKING[0] = False
+            for (namespace, name), original in zip(heavy, originals):
+                setattr(namespace, name, original)
     classes, inside_leaf = [], False
     for name, _ in _kernels(prof):
         if MARKER in name.lower():
@@ -211,7 +246,7 @@ def kernel_classes(forward: Callable, inputs: tuple) -> list[tuple[str, str]]:
         heavy = inside_leaf or any(k in name.lower() for k in HEAVY_NAMES)
         classes.append((name, "heavy" if heavy else "glue"))
     if inside_leaf:
-        raise RuntimeError("unbalanced leaf markers: a leaf kernel ran on another stream?")
+        raise RuntimeError("unbalanced heavy-op markers: a heavy kernel ran on another stream?")
     return classes
 
 
@@ -287,7 +322,7 @@ def run(
                 continue
             graph = capture.graphs[T].graph
             layer_us = replay_time_us(graph)
-            classes = kernel_classes(forward, inputs)
+            classes = kernel_classes(forward, inputs, heavy_calls=variant != "compile")
             glue, heavy_n, note, totals = profile_replay(graph, classes)
             named = None
             if variant == "fuser":  # which kernels the remaining glue time goes to

@@ -80,6 +80,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m
 _PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
 # What a kernel computes on complex64 values (RoPE needs no more).
 _COMPLEX_OPS = {"mul", "add", "sub", "neg", "cat"}
+_MAY_COPY = {"reshape", "flatten", "reshape_as"}  # views when the layout allows, else copies
 _TOPK_PARTS = {"values": "topk_values", 0: "topk_values", "indices": "topk_indices", 1: "topk_indices"}
 _CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
 _TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
@@ -270,6 +271,8 @@ class Canonicalizer:
         )
 
     def _view_of(self, node, src, covers=()):
+        if op_name(node) in _MAY_COPY and self._copies(node, src):
+            return self._make(node, "reshape_copy", UNSUPPORTED, (src,))
         out, inp = self.value(node), self.value(src)
         if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
             return self._make(node, "identity", COMPUTE, (src,))
@@ -289,6 +292,15 @@ class Canonicalizer:
             {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
             covers,
         )  # fmt: skip
+
+    def _copies(self, node, src) -> bool:
+        """Did the reshape copy at either traced size (no view fits its input's layout, as after
+        a permute)? Then it is a kernel of its own, not a free view."""
+        return any(
+            out.numel() and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
+            for out, inp in zip(self.traced.shadows[node.name], self.traced.shadows[src.name])
+            if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)
+        )
 
     def _last_axis_slice(self, src, out, inp) -> tuple[int, int] | None:
         """(start, stop) when ``out`` is ``inp[..., start:stop]`` along a non-token last axis."""

@@ -141,3 +141,21 @@ def test_flash_shared_expert_forks_onto_a_side_stream_in_captured_graphs():
         expected, eager_ids = run_with_expert_ids(eager, tuple(x[:bs] for x in eager_inputs))
         comparison = compare_routed(captured.output, expected, eager_ids, fused_ids, f"bs={bs}")
         assert comparison.ok, comparison.entry
+
+
+def test_bench_counts_kernels_inside_heavy_calls_as_heavy():
+    """fuser bench classifies a kernel by the op that launched it: everything a heavy function
+    (F.linear here, whatever kernels cuBLAS picks) launches is heavy, the elementwise op glue."""
+    import torch.nn.functional as F
+
+    from fuser.bench import kernel_classes
+
+    w = torch.randn(256, 4096, device="cuda")
+
+    def forward(x):
+        return F.linear(x, w) * 2.0
+
+    for T in (1, 512):
+        classes = kernel_classes(forward, (torch.randn(T, 4096, device="cuda"),))
+        glue = [name for name, c in classes if c == "glue"]
+        assert len(glue) == 1 and len(classes) >= 2, classes

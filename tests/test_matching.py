@@ -515,3 +515,32 @@ def test_reduction_over_the_token_dim_is_reported_as_such():
     (mean,) = [u for u in report.unfused if u.node == "mean"]
     assert "token" in f"{mean.op} {mean.reason}", report.text()
     assert "parameters" not in mean.reason, report.text()
+
+
+class GroupedProjection(nn.Module):
+    """DSV4.md C10/C11: a grouped einsum whose result, permuted at T > 1, is flattened for the
+    next GEMM: a reshape that copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(randn(gen(0), 4, 8, 16, scale=0.25))
+        self.out = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        z = torch.einsum("tgd,grd->tgr", x.view(x.shape[0], 4, 16), self.w)
+        return self.out(z.reshape(x.shape[0], -1))
+
+
+def test_a_reshape_that_copies_is_counted_and_reported():
+    module = GroupedProjection()
+    x = randn(gen(1), TRACE_T, 64)
+    report = fuser.explain(module, (x,))
+    (copy,) = [u for u in report.unfused if u.op == "reshape_copy"]
+    assert copy.launches == 1 and "copy" in copy.reason, report.text()
+    assert report.launches_before == 1
+
+
+def test_a_reshape_that_views_stays_free():
+    module = nn.Sequential(nn.Flatten(), nn.Linear(64, 8))
+    report = fuser.explain(module, (randn(gen(1), TRACE_T, 4, 16),))
+    assert report.launches_before == 0 and not report.unfused, report.text()
