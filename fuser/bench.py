@@ -8,8 +8,8 @@ the bandwidth they reach against a copy measured in the same run.
 Telling glue from heavy kernels: one eager (non-graph) forward runs with a marker kernel
 (``torch.cuda._sleep``) launched before and after every opaque leaf and every call of a heavy
 function (``F.linear``, ``torch.einsum``, ``torch.matmul``, ...: fuser's HEAVY ops); kernels
-between markers belong to a heavy op (a GEMM, or a layout copy ``torch.einsum`` makes for it),
-GEMM kernels are also known by name, the rest is glue. A leaf that wraps other
+between markers belong to a heavy op (its GEMM, and a workspace memset or a layout copy it
+launches itself), GEMM kernels are also known by name, the rest is glue. A leaf that wraps other
 modules (a side-stream region) gets no markers: the glue inside it is glue, which a nested
 ``fuser.apply`` fuses (``run(..., fuse=...)``). Graph replay runs the same kernels in the same
 order, so the replay's kernels take their class by position. Leaves are kept out of
