@@ -166,10 +166,15 @@ def plan(
         try:
             spec = kernel_spec(region, traced, cops)
         except LoweringError as e:
+            builder.uncommit(region)
             if region.match:
                 rejected.append(Rejected(region.pattern, region.outputs[0].name, "lowering", str(e)))
-            else:
-                failed.update({n: f"generic chain not lowered: {e}" for n in region.nodes})
+                return False
+            if e.node in region.covered:  # one op is the reason: it stays eager, the rest is fused around it
+                failed[e.node] = f"no row-program lowering here: {e}"
+                rest = [n for n in region.covered if n is not e.node and fusible(cops[n])]
+                return any([build(part) for part in builder.regroup(rest)])
+            failed.update({n: f"generic chain not lowered: {e}" for n in region.nodes})
             return False
         path, launch = emit(spec)
         kernels.append(Kernel(region, path, launch, spec))

@@ -390,12 +390,16 @@ class Canonicalizer:
             return self._make(node, "clamp", COMPUTE, (node.args[0], low, high))
         if name == "softplus":
             return self._make(node, "softplus", COMPUTE, (node.args[0], params.get("beta", 1.0), params.get("threshold", 20.0)))
-        if params.get("dtype") is not None:
+        dtype = params.get("dtype")
+        if dtype is not None and not (dtype in (torch.float32, torch.float) and name in ("softmax", "sum", "mean")):
             return self._make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
+        # softmax / sum / mean with dtype=float32: computed in fp32, as a kernel computes anyway.
         dims = _normalize_dims(params.get("dim"), rank)
         if set(dims) & set(self.batch_dims(node.args[0])):
             return self._make(node, f"{name} over tokens", UNSUPPORTED, tuple(tensors))
         attrs = {"dim": dims}
+        if dtype is not None:
+            attrs["dtype"] = torch.float32
         if name in REDUCTIONS:
             attrs["keepdim"] = bool(params.get("keepdim", False))
         elif len(dims) != 1:

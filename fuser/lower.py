@@ -24,7 +24,12 @@ from fuser.trace import Traced
 
 
 class LoweringError(Exception):
-    """The region cannot be written as one row program; the message says which node and why."""
+    """The region cannot be written as one row program; the message says which node and why,
+    ``node`` is that node (when one op is the reason)."""
+
+    def __init__(self, message: str, node: fx.Node | None = None):
+        super().__init__(message)
+        self.node = node
 
 
 TL_DTYPES = {
@@ -444,6 +449,9 @@ class _Lowerer:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
         if op == "topk":
             return self.topk(node, cop)
+        for arg in args:  # a concatenation read by anything but a cast or a store: one block
+            if op != "cast" and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
+                self.names[arg] = self.joined(arg)
         special = op in _WHOLE_BLOCK_OPS or any(
             isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
         )
@@ -635,6 +643,33 @@ class _Lowerer:
         self.names[node] = name
         self.dtypes[node] = self.dtypes[src]  # picked exactly: a value of the source's dtype
 
+    def joined(self, node: fx.Node) -> str:
+        """A concatenation along the last axis (kept as column segments until now) as one block:
+        two halves of a power-of-two width are interleaved and regrouped (``rotate_half``);
+        other parts are placed with a one-hot sum over the columns."""
+        parts = self.names[node].parts
+        shape = self.padded(node)
+        rank, last = len(shape), shape[-1]
+        values = [rounded(expr, torch.float32, dtype) for _, expr, _, dtype in parts]
+        width = parts[0][2]
+        if len(parts) == 2 and parts[1][2] == width == pow2(width) and parts[1][0] == width and last == 2 * width:
+            halves = f"tl.join({values[0]}, {values[1]})"  # [..., width, 2]
+            order = tuple(range(rank - 1)) + (rank, rank - 1)
+            expr = f"tl.reshape(tl.permute({halves}, {order}), {shape})"
+        elif math.prod(shape) * max(pow2(w) for _, _, w, _ in parts) <= _ONE_HOT_LIMIT:
+            cols = _expand(f"tl.arange(0, {last})", rank, rank + 1)
+            terms = []
+            for (offset, _, w, _), value in zip(parts, values):
+                own = _expand(f"tl.arange(0, {pow2(w)})", rank - 1, rank + 1)
+                spread = f"tl.expand_dims({value}, {rank})"
+                terms.append(f"tl.sum(tl.where(({own} < {w}) & ({own} + {offset} == {cols}), {spread}, 0.0), axis={rank - 1})")
+            expr = " + ".join(terms)
+        else:
+            raise LoweringError(f"`{node.name}`: a {last}-wide concatenation is too large to assemble in registers", node)
+        name = f"joined{len(self.lines)}"
+        self.lines.append(f"{name} = {expr}  # {node.name}")
+        return name
+
     def topk(self, node: fx.Node, cop: COp):
         """``torch.topk`` along the last axis, unrolled into k picks of the best remaining value
         (the lowest index among equals). NaN ranks above every number, as in torch.topk."""
@@ -753,7 +788,11 @@ class _Lowerer:
         for operand, node in zip(ins, self.inputs):
             self.load(operand, node)
         for node in self.nodes:
-            self.lower_node(node)
+            try:
+                self.lower_node(node)
+            except LoweringError as e:
+                e.node = e.node or node
+                raise
         for operand, node in zip(outs, self.outputs):
             self.store(operand, node)
         warps = min(16, max(1, pow2(numel // 512)))

@@ -182,6 +182,17 @@ class RegionBuilder:
         for node in region.covered:
             self.read_at[node] = at
 
+    def uncommit(self, region: "Region") -> None:
+        """Forget where a region runs (it was not built): its values are made where the graph
+        makes them again."""
+        at = self.order[region.position]
+        for node in region.outputs:
+            if self.made_at.get(node) == at:
+                del self.made_at[node]
+        for node in region.covered:
+            if self.read_at.get(node) == at:
+                del self.read_at[node]
+
     def replace(self, region: "Region") -> "Region | None":
         """Place an already built region again (after others were dropped); None if it cannot be."""
         position, _, _ = self.placement(region.covered, region.inputs, region.outputs)
@@ -232,6 +243,15 @@ class RegionBuilder:
             )
         regions = []
         for component in components(candidates, pool, depth, self.args_of):
+            regions += self._place(component)
+        return regions
+
+    def regroup(self, nodes: list[fx.Node]) -> list[Region]:
+        """Regions of ``nodes``: what is left of a generic region without the op that could not
+        be lowered, split into its connected parts, each placed anew."""
+        pool = set(nodes)
+        regions = []
+        for component in components(sorted(nodes, key=self.order.get), pool, {n: 0 for n in nodes}, self.args_of):
             regions += self._place(component)
         return regions
 

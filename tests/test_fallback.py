@@ -188,6 +188,23 @@ def test_op_without_lowering_splits_the_chain_and_is_reported(op):
     assert report.launches_after == 3, report.text()
 
 
+class BoolSlice(nn.Module):
+    """One op the fallback takes in but cannot lower (a slice of a bool value) in a chain."""
+
+    def forward(self, x):
+        a = (x.float() * 0.5 + 1.0).exp()
+        keep = (a > 1.5)[..., 3:30]
+        return torch.where(keep, a[..., 3:30] * 2.0, -1.0).sigmoid().to(x.dtype)
+
+
+def test_an_op_that_does_not_lower_stays_eager_and_the_rest_is_fused_around_it():
+    report = fuse_and_compare(BoolSlice(), lambda T: (randn(gen(T), T, 40, dtype=BF16),))
+    assert [c.pattern for c in report.chains] == ["generic", "generic"], report.text()
+    before, after = sorted(report.chains, key=lambda c: "exp" not in c.nodes)
+    assert "exp" in before.nodes and "gt" in before.nodes and "sigmoid" in after.nodes, report.text()
+    assert report.launches_after == 2, report.text()
+
+
 # --- views of the inputs -----------------------------------------------------------------------
 class Slice(nn.Module):
     def forward(self, x):

@@ -696,3 +696,57 @@ def test_kv_norm_rope_and_fp8_cache_quantisation_are_one_kernel(dim, rope, block
         lambda kv, f: kv_norm_rope_fp8(kv, module.weight.detach(), f, rope, block),
         template="row_reduce",
     )  # fmt: skip
+
+
+def neox_rope(q, cos, sin):
+    """GPT-NeoX / Llama RoPE: q * cos + rotate_half(q) * sin, where rotate_half concatenates
+    the negated second half with the first: a concatenation that further math reads."""
+    half = q.shape[-1] // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return q * cos + rotated * sin
+
+
+class NeoxRope(nn.Module):
+    def forward(self, q, cos, sin):
+        return neox_rope(q, cos, sin)
+
+
+def rotate_mix(x):
+    """Three uneven parts concatenated, then scaled: no halves to interleave."""
+    y = x.float() * 2
+    return (torch.cat([y[..., 5:8], y[..., :5], y[..., 8:]], dim=-1) * torch.sigmoid(y)).to(x.dtype)
+
+
+class RotateMix(nn.Module):
+    def forward(self, x):
+        return rotate_mix(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(3, 16), (8, 128)])
+def test_rotate_half_rope_is_one_kernel(heads, head_dim, dtype):
+    def make(T):
+        angles = randn(gen(T + 7), T, 1, head_dim // 2, scale=3.0)
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+        return randn(gen(T), T, heads, head_dim, dtype=dtype), cos, sin
+
+    golden("generic", NeoxRope(), make, neox_rope, template="pointwise")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_concatenation_of_uneven_parts_read_by_more_math(dtype):
+    golden("generic", RotateMix(), lambda T: (randn(gen(T), T, 2, 21, dtype=dtype),), rotate_mix, template="pointwise")
+
+
+def softmax_in_fp32(logits):
+    return logits.softmax(-1, dtype=torch.float32).mul(2.0)
+
+
+class SoftmaxInFp32(nn.Module):
+    def forward(self, logits):
+        return softmax_in_fp32(logits)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_softmax_with_an_fp32_dtype(dtype):
+    golden("generic", SoftmaxInFp32(), lambda T: (randn(gen(T), T, 37, dtype=dtype, scale=3.0),), softmax_in_fp32, template="row_reduce")
