@@ -86,24 +86,49 @@ def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]
 def _unordered_topk(kernel: Kernel, cops, got: list, expected: list) -> tuple[list, list]:
     """``torch.topk(..., sorted=False)`` leaves the order of its k picks unspecified, so the
     kernel and eager may list the same picks in different orders. When the chain has such a
-    top-k, each [..., k] output is compared in a canonical order: per row, the order that sorts
-    the top-k indices (when they are an output), else its own sorted order."""
+    top-k, its [..., k] outputs are compared in a canonical order (:func:`_topk_order`)."""
     region = kernel.region
     ks = {cops[n].attr("k") for n in region.nodes if cops[n].op == "topk" and not cops[n].attr("sorted")}
+    index = next((i for i, n in enumerate(region.outputs) if cops[n].op == "topk_indices"), None)
+    return _topk_order(got, ks, index), _topk_order(expected, ks, index)
+
+
+def _topk_order(values: list, ks: set, index: int | None) -> list:
+    """Each [..., k] tensor (k in ``ks``) of ``values`` in a canonical order per row: the order
+    that sorts ``values[index]`` (the top-k indices) when given, else its own sorted order."""
+    if not ks:
+        return values
+    order = values[index].argsort(-1) if index is not None else None
+    result = []
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[-1] in ks:
+            same = order is not None and order.shape == value.shape
+            value = value.take_along_dim(order, -1) if same else value.sort(-1).values
+        result.append(value)
+    return result
+
+
+def _unordered_outputs(traced: Traced, cops, got, expected):
+    """The module's outputs with the picks of a ``topk(sorted=False)`` in a canonical order
+    (see :func:`_unordered_topk`): the fused forward may list them in another valid order."""
+    ks = {c.attr("k") for c in cops.values() if c.op == "topk" and c.kind == COMPUTE and not c.attr("sorted")}
     if not ks:
         return got, expected
-    index = next((i for i, n in enumerate(region.outputs) if cops[n].op == "topk_indices"), None)
+    output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    nodes = list(output) if isinstance(output, (tuple, list)) else [output]
 
-    def canonical(outputs: list) -> list:
-        order = outputs[index].argsort(-1) if index is not None else None
-        result = []
-        for value in outputs:
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape[-1] in ks:
-                value = value.take_along_dim(order, -1) if order is not None and order.shape == value.shape else value.sort(-1).values
-            result.append(value)
-        return result
+    def source(n):
+        while isinstance(n, fx.Node) and cops.get(n) is not None and (cops[n].op == "identity" or cops[n].kind == UNIT_VIEW):
+            if cops[n].op == "topk_indices":
+                return n
+            n = cops[n].args[0]
+        return n
 
-    return canonical(got), canonical(expected)
+    index = next((i for i, n in enumerate(nodes) if cops.get(source(n)) and cops[source(n)].op == "topk_indices"), None)
+    single = not isinstance(got, (tuple, list))
+    got, expected = ([got], [expected]) if single else (list(got), list(expected))
+    got, expected = _topk_order(got, ks, index), _topk_order(expected, ks, index)
+    return (got[0], expected[0]) if single else (got, expected)
 
 
 # Triton's CPU interpreter swaps triton.language functions in and out around every launch,
@@ -461,7 +486,8 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     inputs = tuple(example_inputs)
     with preserved_state(module, inputs):
         eager_out, eager_state = _run(module, inputs)
-    report = apply(module, inputs, **options)
+    fused = apply_plan(module, inputs, **options)
+    report = fused.report
     try:
         state = module.__dict__["_fuser_state"]
         reason = state.guard.why_not(inputs, {})
@@ -472,6 +498,7 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     finally:
         restore(module)
     problems, compared = [], ["output"] + list(eager_state)
+    fused_out, eager_out = _unordered_outputs(fused.traced, canonicalize(fused.traced), fused_out, eager_out)
     problem = mismatch(fused_out, eager_out, "output", LAYER)
     if problem:
         problems.append(problem)

@@ -257,6 +257,25 @@ def test_check_reports_a_wrong_kernel_when_validation_is_off():
 
 
 
+class UnsortedTopK(nn.Module):
+    """A router returning the picks of ``topk(sorted=False)``: their order is the
+    implementation's, so a fused kernel may list them in another (valid) order than eager."""
+
+    def forward(self, x):
+        scores = torch.sigmoid(x.float())
+        ids = torch.topk(scores, 4, dim=-1, sorted=False).indices
+        return ids, scores.gather(1, ids) * 2.0
+
+
+def test_check_compares_unsorted_topk_picks_in_one_order():
+    x = torch.randn(6, 37, generator=torch.Generator().manual_seed(0))
+    result = fuser.check(UnsortedTopK(), (x,))
+    assert result.ok, result.text()
+    with spied_launches(corrupt="generic"):  # a wrong kernel still fails the check
+        result = fuser.check(UnsortedTopK(), (x,), validate=False)
+    assert not result.ok and any(p.startswith("output") for p in result.problems), result.text()
+
+
 # ---------------------------------------------------------------------------------------------
 # A forward set on the instance (a wrapper or hook installed as ``module.forward``)
 # ---------------------------------------------------------------------------------------------
