@@ -39,7 +39,7 @@ class Kernel:
     path: Any
     launch: Callable
     spec: KernelSpec | None = None
-    parts: list["Kernel"] = field(default_factory=list)  # a merged kernel: the kernels it replaced
+    parts: list["Kernel"] = field(default_factory=list)  # the kernels it replaced (merged, or stored in place)
 
 
 @dataclass
@@ -228,7 +228,7 @@ def plan(
                 kernels.append(kernel)
                 continue
             region = kernel.region
-            if kernel.parts:  # a merged kernel: its parts may still be right on their own
+            if kernel.parts:  # merged or stored in place: what it was made of may still be right
                 rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", f"{problem}; run unmerged"))
                 pending[:0] = kernel.parts
                 continue
@@ -356,7 +356,7 @@ def _store_in_place(kernels: list[Kernel], builder: RegionBuilder, traced: Trace
             except LoweringError:
                 continue
             path, launch = emit(spec)
-            kernels[i] = Kernel(region, path, launch, spec, kernel.parts)
+            kernels[i] = Kernel(region, path, launch, spec, [kernel])  # falls back to the copy
             break
 
 
