@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from examples.dsv4 import layer as dsv4  # noqa: E402
 from fuser import bench  # noqa: E402
-from fuser.api import record_values  # noqa: E402
+from fuser.api import record_values, store_targets  # noqa: E402
 from fuser.capture import replay_time_us  # noqa: E402
 from fuser.emit import emit  # noqa: E402
 from fuser.launch_config import TABLE_DIR, current_gpu, entry_key  # noqa: E402
@@ -67,8 +67,7 @@ def tune(config: str, tokens: tuple[int, ...]) -> list[dict]:
                 continue
             seen.add(key["kernel"])
             args = [values[n] for n in kernel.region.inputs]
-            # An output written in place goes into (a copy of) its target, as the layer passes it.
-            targets = [values[s.args[0]].clone()[s.args[1]] for s in kernel.region.stores.values()]
+            targets = store_targets(kernel.region, values)  # where in-place outputs go
             times = {}
             for warps in WARPS:
                 _, launch = emit(replace(spec, warps=warps))

@@ -51,6 +51,7 @@ class Plan:
     guard: Guard
     report: Report
     constants: dict = field(default_factory=dict)  # attribute name -> value computed from parameters
+    cops: dict = field(default_factory=dict)  # node -> its canonical op
 
 
 def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
@@ -83,14 +84,25 @@ def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]
     return values
 
 
+def store_targets(region: Region, values) -> list:
+    """Where a kernel's in-place outputs go, given every node's recorded value: a copy of each
+    target as it was before the write, indexed as the write indexes it."""
+    return [values[s.args[0]].clone()[s.args[1]] for s in region.stores.values()]
+
+
 def _unordered_topk(kernel: Kernel, cops, got: list, expected: list) -> tuple[list, list]:
     """``torch.topk(..., sorted=False)`` leaves the order of its k picks unspecified, so the
     kernel and eager may list the same picks in different orders. When the chain has such a
     top-k, its [..., k] outputs are compared in a canonical order (:func:`_topk_order`)."""
     region = kernel.region
-    ks = {cops[n].attr("k") for n in region.nodes if cops[n].op == "topk" and not cops[n].attr("sorted")}
+    ks = _unsorted_topk_sizes(cops[n] for n in region.nodes)
     index = next((i for i, n in enumerate(region.outputs) if cops[n].op == "topk_indices"), None)
     return _topk_order(got, ks, index), _topk_order(expected, ks, index)
+
+
+def _unsorted_topk_sizes(cops) -> set[int]:
+    """The k of every lowered ``topk(sorted=False)`` among ``cops``."""
+    return {c.attr("k") for c in cops if c.op == "topk" and c.kind == COMPUTE and not c.attr("sorted")}
 
 
 def _topk_order(values: list, ks: set, index: int | None) -> list:
@@ -111,7 +123,7 @@ def _topk_order(values: list, ks: set, index: int | None) -> list:
 def _unordered_outputs(traced: Traced, cops, got, expected):
     """The module's outputs with the picks of a ``topk(sorted=False)`` in a canonical order
     (see :func:`_unordered_topk`): the fused forward may list them in another valid order."""
-    ks = {c.attr("k") for c in cops.values() if c.op == "topk" and c.kind == COMPUTE and not c.attr("sorted")}
+    ks = _unsorted_topk_sizes(cops.values())
     if not ks:
         return got, expected
     output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
@@ -139,8 +151,7 @@ _INTERPRETER_LOCK = threading.Lock()
 def _validate(kernel: Kernel, values, cops) -> str | None:
     region = kernel.region
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    # An output written in place goes into a copy of its target, as it was before the write.
-    targets = [values[s.args[0]].clone()[s.args[1]] for s in region.stores.values()]
+    targets = store_targets(region, values)
     try:
         with torch.no_grad(), _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
             got = kernel.launch(*[values[n] for n in region.inputs], *targets)
@@ -256,6 +267,7 @@ def plan(
     report.precomputed = [n.name for n in constants]
     p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
     p.constants = {attr: value for attr, value in constants.values()}
+    p.cops = cops
     return p
 
 
@@ -292,15 +304,20 @@ def _widen(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, cops) 
     leftovers = [n for n in traced.graph.nodes if n in cops and fusible(cops[n]) and n not in covered]
     for i, kernel in enumerate(kernels):
         region = widened(builder, kernel.region, [n for n in leftovers if n not in covered])
-        if region is None:
-            continue
-        try:
-            spec = kernel_spec(region, traced, cops)
-        except LoweringError:
-            continue
-        path, launch = emit(spec)
-        kernels[i] = Kernel(region, path, launch, spec)
-        covered |= region.covered
+        wider = _lowered(region, traced, cops) if region else None
+        if wider is not None:
+            kernels[i] = wider
+            covered |= region.covered
+
+
+def _lowered(region: Region, traced: Traced, cops, parts: list | None = None) -> Kernel | None:
+    """``region`` lowered, rendered and loaded as a kernel; None if it does not lower."""
+    try:
+        spec = kernel_spec(region, traced, cops)
+    except LoweringError:
+        return None
+    path, launch = emit(spec)
+    return Kernel(region, path, launch, spec, parts or [])
 
 
 #: Largest register block (padded elements) a merge may create: beyond it a program spills.
@@ -326,16 +343,12 @@ def _merge_one(kernels: list[Kernel], builder: RegionBuilder, traced: Traced, co
             if a is b or key in failed or not related(a.region, b.region):
                 continue
             region = merged(builder, a.region, b.region)
-            try:
-                spec = kernel_spec(region, traced, cops) if region else None
-            except LoweringError:
-                spec = None
-            if spec is None or spec.program.numel > MERGED_BLOCK_LIMIT:
+            union = _lowered(region, traced, cops, [a, b]) if region else None
+            if union is None or union.spec.program.numel > MERGED_BLOCK_LIMIT:
                 failed.add(key)
                 continue
-            path, launch = emit(spec)
             builder.commit(region)
-            kernels[kernels.index(a)] = Kernel(region, path, launch, spec, [a, b])
+            kernels[kernels.index(a)] = union
             kernels.remove(b)
             return True
     return False
@@ -349,15 +362,11 @@ def _store_in_place(kernels: list[Kernel], builder: RegionBuilder, traced: Trace
             continue
         for i, kernel in enumerate(kernels):
             region = stored_in_place(builder, kernel.region, node, traced)
-            if region is None:
-                continue
-            try:
-                spec = kernel_spec(region, traced, cops)
-            except LoweringError:
-                continue
-            path, launch = emit(spec)
-            kernels[i] = Kernel(region, path, launch, spec, [kernel])  # falls back to the copy
-            break
+            storing = _lowered(region, traced, cops, [kernel]) if region else None  # falls back to the copy
+            if storing is not None:
+                builder.commit(region)
+                kernels[i] = storing
+                break
 
 
 def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:
@@ -498,7 +507,7 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     finally:
         restore(module)
     problems, compared = [], ["output"] + list(eager_state)
-    fused_out, eager_out = _unordered_outputs(fused.traced, canonicalize(fused.traced), fused_out, eager_out)
+    fused_out, eager_out = _unordered_outputs(fused.traced, fused.cops, fused_out, eager_out)
     problem = mismatch(fused_out, eager_out, "output", LAYER)
     if problem:
         problems.append(problem)

@@ -167,6 +167,12 @@ def _expand(base: str, axis: int, rank: int) -> str:
     return f"{base}[{', '.join(':' if i == axis else 'None' for i in range(rank))}]"
 
 
+def _selected(condition: str, value: str, axis: int) -> str:
+    """The value where ``condition`` holds, summed over ``axis``: how a block in registers is
+    indexed (Triton cannot index one) when the condition holds once along that axis."""
+    return f"tl.sum(tl.where({condition}, {value}, 0.0), axis={axis})"
+
+
 def _is_complex(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype.is_complex
 
@@ -535,7 +541,7 @@ class _Lowerer:
         if shape[own] == 1:
             return f"tl.sum({self.f32(x)}, axis={own})"  # drops the size-1 axis
         which = _expand(f"tl.arange(0, {pow2(shape[own])})", own, len(shape))
-        return f"tl.sum(tl.where({which} == {j}, {self.f32(x)}, 0.0), axis={own})"
+        return _selected(f"{which} == {j}", self.f32(x), own)
 
     def layout(self, node: fx.Node, cop: COp, src: str) -> str:
         """``src`` moved into ``node``'s block shape (broadcast, unsqueeze or register reshape)."""
@@ -631,12 +637,12 @@ class _Lowerer:
         elif start % width == 0 and last % width == 0:
             rows = f"tl.reshape({self.f32(src)}, {shape[:-1] + (last // width, width)})"
             which = _expand(f"tl.arange(0, {last // width})", rank - 1, rank + 1)
-            picked = f"tl.sum(tl.where({which} == {start // width}, {rows}, 0.0), axis={rank - 1})"
+            picked = _selected(f"{which} == {start // width}", rows, rank - 1)
         elif math.prod(shape) * width <= _ONE_HOT_LIMIT:
             cols = _expand(f"tl.arange(0, {last})", rank, rank + 1)
             wanted = _expand(f"tl.arange(0, {width})", rank - 1, rank + 1)
             spread = f"tl.expand_dims({self.f32(src)}, {rank - 1})"
-            picked = f"tl.sum(tl.where({cols} == {wanted} + {start}, {spread}, 0.0), axis={rank})"
+            picked = _selected(f"{cols} == {wanted} + {start}", spread, rank)
         else:
             raise LoweringError(f"`{node.name}`: columns {start}:{stop} of a {last}-wide block are not aligned")
         self.lines.append(f"{name} = {picked}  # {node.name}")
@@ -662,7 +668,7 @@ class _Lowerer:
             for (offset, _, w, _), value in zip(parts, values):
                 own = _expand(f"tl.arange(0, {pow2(w)})", rank - 1, rank + 1)
                 spread = f"tl.expand_dims({value}, {rank})"
-                terms.append(f"tl.sum(tl.where(({own} < {w}) & ({own} + {offset} == {cols}), {spread}, 0.0), axis={rank - 1})")
+                terms.append(_selected(f"({own} < {w}) & ({own} + {offset} == {cols})", spread, rank - 1))
             expr = " + ".join(terms)
         else:
             raise LoweringError(f"`{node.name}`: a {last}-wide concatenation is too large to assemble in registers", node)
@@ -697,7 +703,7 @@ class _Lowerer:
                 f"_best = tl.expand_dims({best}(tl.where({name}_free, {name}_rank, {worst}), axis={axis}), {axis})",
                 f"_at = tl.expand_dims(tl.min(tl.where({name}_free & ({name}_rank == _best), {cols}, {last}), axis={axis}), {axis})",
                 f"_hit = {cols} == _at",
-                f"{name}_val = tl.where({picks} == {j}, tl.expand_dims(tl.sum(tl.where(_hit, {x}, 0.0), axis={axis}), {axis}), {name}_val)",
+                f"{name}_val = tl.where({picks} == {j}, tl.expand_dims({_selected('_hit', x, axis)}, {axis}), {name}_val)",
                 f"{name}_idx = tl.where({picks} == {j}, _at.to(tl.int64), {name}_idx)",
                 f"{name}_free = {name}_free & ~_hit",
             ]
@@ -714,7 +720,7 @@ class _Lowerer:
         cols = _expand(f"tl.arange(0, {shape[-1]})", rank, rank + 1)
         wanted = f"tl.expand_dims({self.names[index]}, {rank})"
         spread = f"tl.expand_dims({self.f32(src)}, {rank - 1})"
-        self.lines.append(f"{name} = tl.sum(tl.where({cols} == {wanted}, {spread}, 0.0), axis={rank})  # {node.name}")
+        self.lines.append(f"{name} = {_selected(f'{cols} == {wanted}', spread, rank)}  # {node.name}")
         self.names[node] = name
         self.dtypes[node] = self.dtypes[src]
 

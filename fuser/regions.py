@@ -465,9 +465,7 @@ def stored_in_place(builder: RegionBuilder, region: Region, setitem: fx.Node, tr
     position, _, _ = builder.placement(covered, region.inputs, region.outputs)
     if position is not setitem:
         return None
-    stored = replace(region, covered=covered, position=position, stores={value: setitem})
-    builder.commit(stored)
-    return stored
+    return replace(region, covered=covered, position=position, stores={value: setitem})
 
 
 def _static_index(index) -> bool:
