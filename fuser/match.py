@@ -60,7 +60,7 @@ class Rejection:
     pattern: str
     anchor: str
     reason: str
-    category: str  # dtype | shape | literal | fan-out | structure | order | validation
+    category: str  # dtype | shape | literal | fan-out | structure | order | lowering | validation | no match | replaced
 
 
 @dataclass
@@ -415,7 +415,22 @@ def match_all(patterns: list[Pattern], traced: Traced, mcops: dict[fx.Node, COp]
         matches += found
         rejections += rejected
         taken |= _claimed(found)
+        rejections += _said_about(pattern, bool(found or rejected))
     return matches, rejections
+
+
+def _said_about(pattern: Pattern, matched: bool) -> list[Rejection]:
+    """What the report says of a pattern file the user gave beyond its matches: that it was
+    used instead of a built-in of the same name, or that it matched nothing (so a typo in a
+    pattern is not mistaken for a chain the model lacks). Built-ins that match nothing are the
+    rule, not news, and are not listed."""
+    said = []
+    if pattern.replaces is not None:
+        reason = f"{pattern.path} is used instead of the built-in {pattern.replaces} (same name)"
+        said.append(Rejection(pattern.name, "-", reason, "replaced"))
+    if not pattern.builtin and not matched:
+        said.append(Rejection(pattern.name, "-", f"matched no chain in this module ({pattern.path})", "no match"))
+    return said
 
 
 def _size(pattern: Pattern) -> int:

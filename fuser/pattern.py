@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+_log = logging.getLogger("fuser")
 
 
 def _data_dir(name: str) -> Path:
@@ -97,7 +99,9 @@ class TensorSpec:
 
 def tensor(dims: str, dtypes: str) -> TensorSpec:
     """``tensor("T, N", "bfloat16 float32")``: a tensor input's shape symbols and dtypes."""
-    names = tuple(d.strip() for d in dims.split(",") if d.strip())
+    names = tuple(d.strip() for d in dims.split(",")) if dims.strip() else ()
+    if "" in names:
+        raise ValueError(f"an empty dimension in {dims!r}: write the dims as symbols or integers between commas")
     for d in names:
         if not re.fullmatch(r"[A-Za-z_]\w*|\d+|\.\.\.", d):
             raise ValueError(f"dimension {d!r} in {dims!r} is neither a symbol nor an integer")
@@ -121,6 +125,11 @@ class Pattern:
     example: dict[str, int] = field(default_factory=dict)
     description: str = ""
     priority: int = 0
+    replaces: Path | None = None  # the built-in pattern of the same name this file is used instead of
+
+    @property
+    def builtin(self) -> bool:
+        return self.path.parent == patterns_dir().resolve()
 
     @property
     def structural(self) -> dict[str, IntParam]:
@@ -149,17 +158,38 @@ def _key_lines(path: Path, source: str) -> tuple[int, dict[str, int]]:
 _LOADED: dict[tuple, Pattern] = {}
 
 
-def load_pattern(path: str | os.PathLike, templates: set[str] | None = None) -> Pattern:
+def load_pattern(path: str | os.PathLike, templates: set[str] | None = None, replaces: Path | None = None) -> Pattern:
     """Load one pattern file; a mistake raises :class:`PatternError` naming file and line.
 
     A file loaded before and unchanged since gives the same Pattern (its traces stay cached).
+    ``replaces``: the built-in pattern file of the same name that this one is used instead of.
     """
     path = Path(path).resolve()
     source = path.read_text()
-    key = (path, source, frozenset(templates) if templates is not None else None)
+    key = (path, source, frozenset(templates) if templates is not None else None, replaces)
     if key not in _LOADED:
-        _LOADED[key] = _load_pattern(path, source, templates)
+        pattern = _load_pattern(path, source, templates)
+        pattern.replaces = replaces
+        _check_reference(pattern)
+        _LOADED[key] = pattern
     return _LOADED[key]
+
+
+def _check_reference(pattern: Pattern) -> None:
+    """Run the reference at its example sizes, as matching will: a mistake in its body (a
+    misspelt name, a size the code cannot take) is reported here, at its line in the file."""
+    from fuser.match import trace_pattern  # fuser.match imports this module
+
+    try:
+        trace_pattern(pattern, pattern.example, {}, None)
+    except Exception as e:
+        line = next((f.lineno for f in reversed(_tb_frames(e)) if Path(f.filename).resolve() == pattern.path), None)
+        if line is None:
+            raise  # it failed before running the file's code: not the file's mistake
+        sizes = ", ".join(f"{k}={v}" for k, v in sorted(pattern.example.items()))
+        raise PatternError(
+            f"{pattern.path}:{line}: the reference fails at the example sizes ({sizes}): {type(e).__name__}: {e}"
+        ) from e
 
 
 def _load_pattern(path: Path, source: str, templates: set[str] | None) -> Pattern:
@@ -206,6 +236,12 @@ def _load_pattern(path: Path, source: str, templates: set[str] | None) -> Patter
         )
     example = dict(decl.get("example", {}))
     symbols = {d for s in inputs.values() for d in s.dims if not d.isdigit()} - {"T", "..."}
+    example_line = key_lines.get("example", pattern_line)
+    for name, size in example.items():
+        if name not in symbols:
+            raise fail(example_line, f"example names {name}, which is no dimension of the inputs {sorted(symbols)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise fail(example_line, f"example size {name}={size!r} is not a positive integer")
     missing = sorted(s for s in symbols if s not in example)
     if missing:
         # A reasonable size for symbols without an example: small, not a power of two.
@@ -231,13 +267,26 @@ def _tb_frames(error: BaseException):
 
 
 def load_patterns(paths=None, templates: set[str] | None = None) -> list[Pattern]:
-    """Load the built-in patterns plus any extra files or directories given."""
-    files: list[Path] = []
-    for entry in [patterns_dir()] + [Path(p) for p in (paths or [])]:
-        if entry.is_dir():
-            files += sorted(p for p in entry.glob("*.py") if not p.name.startswith("_"))
-        elif entry.exists():
-            files.append(entry)
-        else:
+    """Load the built-in patterns plus any extra files or directories given.
+
+    A file given with a built-in pattern's name is used instead of the built-in (its
+    ``replaces`` names the built-in; the log and the report say so).
+    """
+    builtin = {p.stem: p.resolve() for p in _pattern_files(patterns_dir())}
+    extra: dict[Path, None] = {}
+    for entry in [Path(p) for p in (paths or [])]:
+        if not entry.exists():
             raise PatternError(f"{entry}: no such pattern file or directory")
-    return [load_pattern(f, templates) for f in files]
+        for f in _pattern_files(entry) if entry.is_dir() else [entry]:
+            if f.resolve() not in builtin.values():  # a built-in given again is loaded once
+                extra[f.resolve()] = None
+    replaced = {f.stem: builtin.pop(f.stem) for f in extra if f.stem in builtin}
+    for name, original in replaced.items():
+        user = next(f for f in extra if f.stem == name)
+        _log.warning("pattern %s: using %s instead of the built-in %s", name, user, original)
+    patterns = [load_pattern(f, templates) for f in builtin.values()]
+    return patterns + [load_pattern(f, templates, replaces=replaced.get(f.stem)) for f in extra]
+
+
+def _pattern_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.py") if not p.name.startswith("_"))

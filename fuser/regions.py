@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
-from fuser.canon import COMPUTE, HEAVY, INPUT, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
+from fuser.canon import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
 from fuser.lower import SUPPORTED_OPS
 from fuser.match import Match, Rejection
 
@@ -218,17 +218,39 @@ class RegionBuilder:
             nodes = sorted(covered, key=self.order.get)
             inputs, outputs = list(match.inputs), list(match.outputs)
         else:
+            unlowered = self.unlowered(match)
+            if unlowered is not None:
+                # Left out of the kernel, the op would read the kernel's values and feed them
+                # back: the chain goes to the generic path (or stays eager) instead.
+                op = self.cops[unlowered].op
+                reason = f"{op} (`{unlowered.name}`) has no row-program lowering: the {pattern.template} template cannot run it"
+                return Rejection(pattern.name, match.outputs[0].name, reason, "lowering")
             # Lowered from the graph: views of the inputs stay (free) and become its inputs.
             nodes = self.peel(sorted((n for n in match.primary if fusible(self.cops[n])), key=self.order.get))
             covered = {c for n in nodes for c in self.cops[n].covers}
             inputs, _ = self.boundary(nodes)
             outputs = list(match.outputs)
+        if not covered:
+            return Rejection(pattern.name, match.outputs[0].name, "the chain has no op for a kernel to compute", "lowering")
         position, problem, _ = self.placement(covered, inputs, outputs)
         if position is None:
             return Rejection(pattern.name, match.outputs[0].name, problem, "order")
         region = Region(nodes, inputs, outputs, pattern.template, match, covered, position)
         self.commit(region)
         return region
+
+    def unlowered(self, match: Match) -> fx.Node | None:
+        """A matched op the kernel cannot compute, or None: every op of a pattern lowered from
+        the graph must be lowered (a view of an input may stay a view)."""
+        inside = set(match.primary)
+        for node in match.primary:
+            cop = self.cops[node]
+            if cop.kind in (INPUT, META) or cop.op == "identity" or fusible(cop):
+                continue
+            if cop.kind == VIEW and not any(a in inside for a in self.args_of(node)):
+                continue
+            return node
+        return None
 
     # --- generic fallback --------------------------------------------------------------------
     def generic(self, taken: set) -> list[Region]:

@@ -6,9 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fuser
 import fuser.emit
+import fuser.pattern
+import helpers
 from fuser.lower import Operand
 from fuser.pattern import load_pattern, load_patterns
 
@@ -284,3 +287,148 @@ def test_error_in_an_extended_template_names_the_parent_file(templates, base_sou
     templates("child", '{% extends "_base.py.jinja" %}\n')
     message = template_error("child")
     assert message.startswith(f"{base}:{line}:"), message
+
+
+# ---------------------------------------------------------------------------------------------
+# Mistakes found when the reference first runs, and what the report says of user patterns
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_name_error_in_the_reference_is_located(tmp_path):
+    path = write(tmp_path, "typo", GOOD.replace("+ eps) * weight).to(x.dtype)\n", "+ epsilon) * weight).to(x.dtype)  # TYPO\n"))
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "# TYPO"))
+    assert "NameError" in message and "epsilon" in message
+
+
+def test_a_reference_that_cannot_take_the_example_sizes_is_located(tmp_path):
+    """The reference splits rows into 48-wide halves; the example width is 32."""
+    source = GOOD.replace("    xf = x.float()\n", "    xf = x.float().view(-1, 2, 48).flatten(1)  # SPLIT\n")
+    path = write(tmp_path, "split", source)
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "# SPLIT"))
+    assert "N=32" in message, message
+
+
+@pytest.mark.parametrize(
+    "example, needle",
+    [pytest.param("dict(M=32)", "M", id="unknown-symbol"), pytest.param("dict(N=0)", "N=0", id="not-positive")],
+)
+def test_example_sizes_must_be_dimensions_of_the_inputs(tmp_path, example, needle):
+    path = write(tmp_path, "example", GOOD.replace("example=dict(N=32)", f"example={example}"))
+    message = load_error(path)
+    assert_located(message, path, line_with(path, "example="))
+    assert needle in message
+
+
+def test_an_empty_dimension_is_refused(tmp_path):
+    path = write(tmp_path, "empty_dim", GOOD.replace('x=tensor("T, N",', 'x=tensor("T,, N",'))
+    message = load_error(path)
+    assert_located(message, path, line_with(path, 'tensor("T,, N"'))
+    assert "empty dimension" in message
+
+
+class TanhScaled(nn.Module):
+    def forward(self, x):
+        xf = x.float()
+        return (torch.tanh(xf * 2.0) * xf).to(x.dtype)
+
+
+class OnlyTanh(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 3.0
+
+
+class LayerNormScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 32).to(torch.bfloat16))
+
+    def forward(self, x):
+        return (F.layer_norm(x.float(), (x.shape[-1],)) * self.weight).to(x.dtype)
+
+
+UNLOWERED = {
+    "tanh_scaled": (TanhScaled, "tanh", """
+        def reference(x, scale=Param(2.0)):
+            xf = x.float()
+            return (torch.tanh(xf * scale) * xf).to(x.dtype)
+
+        PATTERN = dict(template="pointwise", inputs=dict(x=tensor("T, N", "bfloat16 float32")), example=dict(N=32))
+    """),
+    "only_tanh": (OnlyTanh, "tanh", """
+        def reference(x):
+            return torch.tanh(x)
+
+        PATTERN = dict(template="pointwise", inputs=dict(x=tensor("T, N", "bfloat16 float32")))
+    """),
+    "layer_norm_scaled": (LayerNormScaled, "layer_norm", """
+        def reference(x, weight):
+            return (F.layer_norm(x.float(), (x.shape[-1],)) * weight).to(x.dtype)
+
+        PATTERN = dict(
+            template="row_reduce",
+            inputs=dict(x=tensor("T, N", "bfloat16 float32"), weight=tensor("N", "bfloat16 float32")),
+            example=dict(N=32),
+        )
+    """),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNLOWERED))
+def test_a_pattern_with_an_op_no_template_lowers_is_rejected(tmp_path, name):
+    """The matched chain holds an op without a lowering: the pattern is rejected (naming the op),
+    the chain is left to the generic path and eager, and the fused module still computes it."""
+    module_class, op, body = UNLOWERED[name]
+    header = "import torch\nimport torch.nn.functional as F\nfrom fuser.pattern import Param, tensor\n"
+    path = write(tmp_path, name, header + textwrap.dedent(body))
+    module = module_class()
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    expected = module(x)
+    report = fuser.explain(module, (x,), patterns=[path])
+    rejected = [r for r in report.rejected if r.pattern == name]
+    assert [r.category for r in rejected] == ["lowering"], report.text()
+    assert op in rejected[0].reason
+    assert name not in {c.pattern for c in report.chains}
+    assert any(u.op == op for u in report.unfused), report.text()
+    fuser.apply(module, (x,), patterns=[path])
+    try:
+        torch.testing.assert_close(module(x), expected, rtol=2**-7, atol=1e-2)
+    finally:
+        fuser.restore(module)
+
+
+def test_a_user_pattern_that_matches_nothing_says_so(tmp_path):
+    path = write(tmp_path, "scaled_sigmoid", USER_PATTERN)
+    report = fuser.explain(TanhScaled(), (torch.randn(5, 32).to(torch.bfloat16),), patterns=[path])
+    said = [r for r in report.rejected if r.category == "no match"]
+    assert [r.pattern for r in said] == ["scaled_sigmoid"], report.text()  # not the built-ins
+    assert "matched no chain in this module" in said[0].reason
+    assert "scaled_sigmoid" in report.text()
+
+
+def test_a_user_pattern_with_a_built_in_name_is_used_instead_and_said(tmp_path, caplog):
+    """A user file rmsnorm.py (here the scaled sigmoid) replaces the built-in rmsnorm: the
+    report and the log name both files, the user's pattern fuses, the built-in no longer does."""
+    path = write(tmp_path, "rmsnorm", USER_PATTERN)
+    builtin = fuser.pattern.patterns_dir() / "rmsnorm.py"
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="fuser"):
+        report = fuser.explain(ScaledSigmoid(), (x,), patterns=[path])
+    (said,) = [r for r in report.rejected if r.category == "replaced"]
+    assert said.pattern == "rmsnorm"
+    assert str(path.resolve()) in said.reason and str(builtin.resolve()) in said.reason
+    assert str(path.resolve()) in caplog.text and str(builtin.resolve()) in caplog.text
+    (chain,) = report.chains
+    assert (chain.pattern, chain.template, chain.params) == ("rmsnorm", "pointwise", {"scale": 2.0})
+    norm = fuser.explain(helpers.BF16RMSNorm(32), (x,), patterns=[path])
+    assert "rmsnorm" not in {c.pattern for c in norm.chains}, norm.text()
+
+
+def test_a_built_in_given_again_is_loaded_once():
+    builtin = fuser.pattern.patterns_dir() / "rmsnorm.py"
+    names = [p.name for p in load_patterns([builtin], fuser.emit.template_names())]
+    assert names.count("rmsnorm") == 1
+    report = fuser.explain(helpers.BF16RMSNorm(32), (torch.randn(3, 32).to(torch.bfloat16),), patterns=[builtin])
+    assert [c.pattern for c in report.chains] == ["rmsnorm"], report.text()
+    assert not [r for r in report.rejected if r.pattern == "rmsnorm"], report.text()

@@ -1,5 +1,10 @@
 """Golden outputs for every pattern in patterns/, and for the chains fuser lowers without one.
 
+Every pattern file first gets the generic golden cases of :mod:`fuser.testing` (its reference
+fused with it, at every declared dtype and at odd widths). The tests below then fuse the chain
+as model code spells it, with inputs chosen for the pattern (values beyond a clamp limit, an
+eps that matters, NaN and inf).
+
 Each test builds a small module whose forward spells the chain the way model code does (weights
 as parameters of the module), fuses it with ``fuser.apply`` traced at one token count, and
 compares the fused module at T in {1, 3, 16} with the pattern's plain-PyTorch ``reference``
@@ -26,8 +31,10 @@ from helpers import (
 )
 
 import fuser
+import fuser.testing
 import fuser.tolerance
 from fuser.pattern import patterns_dir
+from fuser.testing import golden_tests
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -39,8 +46,8 @@ KERNEL_TOLERANCE = {
     torch.float8_e4m3fn: (2**-3, 2**-9),
 }
 
-TRACE_T = 3  # the token count fuser traces at
-TOKENS = (1, 3, 16)  # token counts the fused module is called at
+TRACE_T = fuser.testing.TRACE_T  # the token count fuser traces at
+TOKENS = fuser.testing.TOKENS  # token counts the fused module is called at
 
 DTYPES = [pytest.param(BF16, id="bfloat16"), pytest.param(FP16, id="float16"), pytest.param(FP32, id="float32")]
 
@@ -81,10 +88,18 @@ GOLDEN_TESTS = {
 }
 
 
+PATTERN_FILES = sorted(p for p in patterns_dir().glob("*.py") if not p.name.startswith("_"))
+
+# Each pattern file's own golden cases: test_<pattern>_golden[<dtypes>-<width>].
+for _file in PATTERN_FILES:
+    globals()[f"test_{_file.stem}_golden"] = golden_tests(_file)
+
+
 def test_every_pattern_has_golden_outputs():
-    files = {p.stem for p in patterns_dir().glob("*.py") if not p.name.startswith("_")}
+    files = {p.stem for p in PATTERN_FILES}
     assert files == set(GOLDEN_TESTS), "patterns/ and the golden tests here disagree"
     assert all(callable(globals().get(test)) for test in GOLDEN_TESTS.values())
+    assert all(callable(globals().get(f"test_{name}_golden")) for name in files)
 
 
 # --- modules as model code writes them ---------------------------------------------------------
