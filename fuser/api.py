@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 from dataclasses import dataclass, field
@@ -24,9 +25,11 @@ from fuser.match import Rejection, match_all
 from fuser.pattern import load_patterns
 from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, feeds, fusible, merged, siblings, stored_in_place, widened
 from fuser.report import FusedChain, Rejected, Report, Unfused
-from fuser.splice import Guard, compile_forward, install, is_fused, restore, rewrite_graph
+from fuser.splice import (
+    AlreadyFused, Guard, Precomputed, compile_forward, install, is_fused, module_lock, precomputation, restore, rewrite_graph,
+)
 from fuser.tolerance import LAYER, least_precise, mismatch
-from fuser.trace import Traced, preserved_state, trace
+from fuser.trace import Traced, default_batch_inputs, preserved_state, trace
 
 
 class FuserError(Exception):
@@ -52,6 +55,8 @@ class Plan:
     report: Report
     constants: dict = field(default_factory=dict)  # attribute name -> value computed from parameters
     cops: dict = field(default_factory=dict)  # node -> its canonical op
+    precomputed: Precomputed | None = None  # how to recompute ``constants`` when their parameters change
+    literals: dict = field(default_factory=dict)  # module scalar attribute (dotted path) -> value fused in
 
 
 def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
@@ -183,6 +188,7 @@ def plan(
     precompute: bool = True,
 ) -> Plan:
     """Everything :func:`apply` does except installing the fused forward."""
+    _check_example_inputs(module, example_inputs, batch_inputs)
     on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise FuserError("the example inputs are on the CPU: fused kernels run there only in Triton's interpreter; set TRITON_INTERPRET=1")
@@ -265,10 +271,76 @@ def plan(
     forward = compile_forward(graph, module)
     report = _report(module, traced, cops, kernels, rejected, failed, survivors)
     report.precomputed = [n.name for n in constants]
+    report.literals = captured_literals(module, traced)
     p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
     p.constants = {attr: value for attr, value in constants.values()}
+    p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
+    p.literals = dict(report.literals)
     p.cops = cops
     return p
+
+
+def _check_example_inputs(module: torch.nn.Module, example_inputs, batch_inputs) -> None:
+    """Refuse example inputs fuser cannot trace on, naming the input or parameter at fault:
+    no tokens (the trace grows the batch from its first row), meta tensors (no data to run
+    on), or inputs and parameters on different devices."""
+    names = list(inspect.signature(module.forward).parameters)[: len(example_inputs)]
+    batch = batch_inputs if batch_inputs is not None else default_batch_inputs(names, example_inputs)
+    for name, value in zip(names, example_inputs):
+        dim = batch.get(name)
+        if isinstance(value, torch.Tensor) and dim is not None and dim < value.dim() and value.shape[dim] == 0:
+            raise FuserError(f"example inputs need at least one token: input `{name}` has size 0 at dim {dim}")
+    tensors = [(f"input `{n}`", v) for n, v in zip(names, example_inputs) if isinstance(v, torch.Tensor)]
+    tensors += [(f"parameter `{n}`", p) for n, p in module.named_parameters()]
+    for what, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise FuserError(f"{what} is on the meta device: fuser runs the module on the example inputs, which needs real data")
+    if not tensors:
+        return
+    first, device = tensors[0][0], tensors[0][1].device
+    for what, tensor in tensors[1:]:
+        if tensor.device != device:
+            raise FuserError(
+                f"{what} is on {tensor.device} but {first} is on {device}: the example inputs and the "
+                "parameters must be on one device"
+            )
+
+
+def _literals_in(value, found: set) -> None:
+    """Collect the int and float literals in a node's arguments (nested in tuples, lists, dicts, slices)."""
+    if type(value) in (int, float):
+        found.add((type(value), value))
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _literals_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _literals_in(v, found)
+    elif isinstance(value, slice):
+        _literals_in((value.start, value.stop, value.step), found)
+
+
+def captured_literals(module: torch.nn.Module, traced: Traced) -> dict[str, int | float]:
+    """The module's scalar attributes the fused graph holds as literals, by dotted path: each
+    public int or float attribute of the module or a submodule whose value appears as a literal
+    in the nodes traced inside that submodule (``self.eps`` of a norm, say). The trace read them
+    once: the fused graph keeps the value they had at apply time."""
+    literals: dict[str, set] = {}
+    for node in traced.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        owner = next(reversed(stack.values()))[0] if stack else ""
+        _literals_in((node.args, node.kwargs), literals.setdefault(owner, set()))
+    found = {}
+    for owner, values in literals.items():
+        try:
+            submodule = module.get_submodule(owner)
+        except AttributeError:
+            continue
+        for name, value in vars(submodule).items():
+            scalar = type(value) in (int, float) and not name.startswith("_")
+            if scalar and (type(value), value) in values:
+                found[f"{owner}.{name}" if owner else name] = value
+    return dict(sorted(found.items()))
 
 
 CONSTANT_PREFIX = "_fuser_const_"
@@ -381,6 +453,7 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
         report.chains.append(
             FusedChain(
                 kernel=k.path.stem,
+                path=str(k.path),
                 template=r.template,
                 pattern=r.pattern,
                 params=r.params,
@@ -439,20 +512,48 @@ def _reason(node: fx.Node, cops, covered: set) -> str:
 
 
 def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
-    """Fuse ``module``'s glue in place. On any error the module is left exactly as it was."""
+    """Fuse ``module``'s glue in place. On any error the module is left exactly as it was.
+
+    The fused forward runs only when the guard takes the call; otherwise the module's own
+    forward runs: other dtypes, devices or non-token sizes, no tokens, autograd (grad enabled
+    and an input or parameter requiring grad: the kernels have no backward), the user's
+    ``guard`` declining, or a changed literal (below).
+
+    What is fixed at apply time:
+
+    * glue computed from parameters alone (a weight's cast, ``w * scale``) is computed once and
+      held in an attribute (``report.precomputed``); the parameters it reads are watched (their
+      version counter and storage, so in-place writes under ``no_grad``, ``load_state_dict``
+      and replaced storage are seen) and it is recomputed at the next call, or the eager
+      forward runs if that call is inside a CUDA-graph capture. A write through ``p.data``
+      bypasses the version counter and is not seen: pass ``precompute=False`` to read every
+      weight live if weights are written that way;
+    * scalar attributes read by the traced forward (``self.eps``) become literals
+      (``report.literals``); a call after one of them changed runs the eager forward, with a
+      warning.
+
+    A second apply on a fused module (also from another thread) raises :class:`FuserError`.
+    ``copy.deepcopy`` gives a copy fused against its own parameters; pickling (``torch.save``)
+    gives the eager module.
+    """
     return apply_plan(module, example_inputs, **options).report
 
 
 def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
     """:func:`apply`, returning the whole plan (kernels, graph, report)."""
-    if is_fused(module):
-        raise FuserError(f"{type(module).__name__} is already fused; call fuser.restore() first")
-    with preserved_state(module, example_inputs):
+    name = type(module).__name__
+    with module_lock(module):  # a concurrent apply of the same module waits, then is refused
+        if is_fused(module):
+            raise FuserError(f"{name} is already fused; call fuser.restore() first")
+        with preserved_state(module, example_inputs):
+            try:
+                p = plan(module, example_inputs, **options)
+            except Exception as e:
+                raise FuserError(f"fuser.apply left {name} unchanged: {e}") from e
         try:
-            p = plan(module, example_inputs, **options)
-        except Exception as e:
-            raise FuserError(f"fuser.apply left {type(module).__name__} unchanged: {e}") from e
-    install(module, p.forward, p.guard, p.report, p.constants)
+            install(module, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals)
+        except AlreadyFused as e:
+            raise FuserError(str(e)) from e
     return p
 
 

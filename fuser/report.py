@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
 
 @dataclass
 class FusedChain:
-    kernel: str  # kernel file name in kernels/
+    kernel: str  # kernel file name, without ".py"
     template: str
     pattern: str  # a pattern name, or "generic"
     params: dict
@@ -16,6 +17,7 @@ class FusedChain:
     inputs: list[str]
     outputs: list[str]
     launches_replaced: int
+    path: str = ""  # where the kernel file is (the kernel directory emit chose)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Report:
     rejected: list[Rejected] = field(default_factory=list)
     unfused: list[Unfused] = field(default_factory=list)
     precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
+    literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
     launches_before: int = 0
@@ -66,14 +69,23 @@ class Report:
                 f"{c.outputs[0] if c.outputs else ''}{' ...' if len(c.outputs) > 1 else ''}"
                 + (f"   [{params}]" if params else "")
             )
-            lines.append(f"  {'':<22} kernels/{c.kernel}.py  ({len(c.nodes)} nodes)")
+            lines.append(f"  {'':<22} {_shown(c.path) if c.path else f'kernels/{c.kernel}.py'}  ({len(c.nodes)} nodes)")
         lines += ["", f"rejected candidates ({len(self.rejected)}):"]
         for r in self.rejected:
             lines.append(f"  {r.pattern:<22} at {r.anchor}: [{r.category}] {r.reason}")
         if self.precomputed:
-            lines += ["", f"computed once from parameters at apply time: {', '.join(self.precomputed)}"]
+            lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
+        if self.literals:
+            values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
+            lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]
         launches = sum(u.launches for u in self.unfused)
         lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
         for u in self.unfused:
             lines.append(f"  {u.node:<28} {u.op:<22} {u.reason}")
         return "\n".join(lines)
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it is inside it, else as it is."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative

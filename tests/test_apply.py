@@ -1,6 +1,7 @@
 """fuser.apply / fuser.restore / fuser.check: in-place splicing, the guard, and validation."""
 
 import contextlib
+import inspect
 import os
 
 import pytest
@@ -161,6 +162,11 @@ def test_guard_falls_back_to_eager(guarded, x):
     expected = eager(x)
     assert out.dtype == expected.dtype and out.shape == expected.shape
     assert torch.equal(out, expected)
+
+
+def test_the_guarded_forward_keeps_the_module_signature(guarded):
+    m, _, _ = guarded
+    assert str(inspect.signature(m.forward)) == str(inspect.signature(ScaledNorm.forward.__get__(m))) == "(x)"
 
 
 def test_user_predicate_false_never_runs_fused_kernels():
