@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import threading
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ from fuser.splice import (
     AlreadyFused, Guard, Precomputed, compile_forward, install, is_fused, module_lock, precomputation, restore, rewrite_graph,
 )
 from fuser.tolerance import LAYER, least_precise, mismatch
-from fuser.trace import Traced, default_batch_inputs, preserved_state, trace
+from fuser.signature import CallSpec
+from fuser.trace import Traced, batch_dims_of, preserved_state, trace
 
 
 class FuserError(Exception):
@@ -180,6 +180,7 @@ def plan(
     module: torch.nn.Module,
     example_inputs,
     *,
+    example_kwargs: dict | None = None,
     leaves: Iterable = (),
     patterns: Iterable = (),
     guard: Callable[..., bool] | None = None,
@@ -188,11 +189,11 @@ def plan(
     precompute: bool = True,
 ) -> Plan:
     """Everything :func:`apply` does except installing the fused forward."""
-    _check_example_inputs(module, example_inputs, batch_inputs)
-    on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
+    _check_example_inputs(module, example_inputs, example_kwargs, batch_inputs)
+    on_cpu = any(x.device.type == "cpu" for x in tensors_of(example_inputs, example_kwargs))
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise FuserError("the example inputs are on the CPU: fused kernels run there only in Triton's interpreter; set TRITON_INTERPRET=1")
-    traced = trace(module, example_inputs, leaves=leaves, batch_inputs=batch_inputs)
+    traced = trace(module, example_inputs, example_kwargs=example_kwargs, leaves=leaves, batch_inputs=batch_inputs)
     cops = canonicalize(traced)
     all_patterns = load_patterns(list(patterns), template_names())
     matches, match_rejections = match_all(all_patterns, traced, cops)
@@ -272,6 +273,7 @@ def plan(
     report = _report(module, traced, cops, kernels, rejected, failed, survivors)
     report.precomputed = [n.name for n in constants]
     report.literals = captured_literals(module, traced)
+    report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
     p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
     p.constants = {attr: value for attr, value in constants.values()}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
@@ -280,17 +282,22 @@ def plan(
     return p
 
 
-def _check_example_inputs(module: torch.nn.Module, example_inputs, batch_inputs) -> None:
+def _check_example_inputs(module: torch.nn.Module, example_inputs, example_kwargs, batch_inputs) -> None:
     """Refuse example inputs fuser cannot trace on, naming the input or parameter at fault:
     no tokens (the trace grows the batch from its first row), meta tensors (no data to run
     on), or inputs and parameters on different devices."""
-    names = list(inspect.signature(module.forward).parameters)[: len(example_inputs)]
-    batch = batch_inputs if batch_inputs is not None else default_batch_inputs(names, example_inputs)
-    for name, value in zip(names, example_inputs):
+    try:
+        call = CallSpec.of(module.forward, tuple(example_inputs), example_kwargs or {})
+    except TypeError as e:
+        raise FuserError(f"the example inputs do not fit {type(module).__name__}.forward: {e}") from None
+    values, _ = call.flatten(tuple(example_inputs), example_kwargs or {})
+    names = call.names
+    batch = batch_dims_of(call, values, batch_inputs)
+    for name, value in zip(names, values):
         dim = batch.get(name)
         if isinstance(value, torch.Tensor) and dim is not None and dim < value.dim() and value.shape[dim] == 0:
             raise FuserError(f"example inputs need at least one token: input `{name}` has size 0 at dim {dim}")
-    tensors = [(f"input `{n}`", v) for n, v in zip(names, example_inputs) if isinstance(v, torch.Tensor)]
+    tensors = [(f"input `{n}`", v) for n, v in zip(names, values)]
     tensors += [(f"parameter `{n}`", p) for n, p in module.named_parameters()]
     for what, tensor in tensors:
         if tensor.device.type == "meta":
@@ -545,7 +552,7 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
     with module_lock(module):  # a concurrent apply of the same module waits, then is refused
         if is_fused(module):
             raise FuserError(f"{name} is already fused; call fuser.restore() first")
-        with preserved_state(module, example_inputs):
+        with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
             try:
                 p = plan(module, example_inputs, **options)
             except Exception as e:
@@ -559,7 +566,7 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
 
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:
     """What :func:`apply` would fuse, and why the rest is not; installs nothing."""
-    with preserved_state(module, example_inputs):
+    with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         return plan(module, example_inputs, **options).report
 
 
@@ -577,34 +584,35 @@ class CheckResult:
         return "\n".join(lines)
 
 
-def _state_tensors(module: torch.nn.Module, inputs) -> dict[str, torch.Tensor]:
+def _state_tensors(module: torch.nn.Module, inputs: list) -> dict[str, torch.Tensor]:
     tensors = {f"buffer {n}": b for n, b in module.named_buffers()}
-    tensors.update({f"input {i}": x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)})
+    tensors.update({f"input {i}": x for i, x in enumerate(inputs)})
     return tensors
 
 
-def _run(module, inputs):
+def _run(module, args, kwargs):
     with torch.no_grad():
-        out = module(*inputs)
-    state = {k: v.detach().clone() for k, v in _state_tensors(module, inputs).items()}
+        out = module(*args, **kwargs)
+    state = {k: v.detach().clone() for k, v in _state_tensors(module, tensors_of(args, kwargs)).items()}
     return out, state
 
 
 def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     """Run fused and eager from identical state; compare outputs and every buffer and input
     the forward writes in place. The module and inputs are left as they were."""
-    inputs = tuple(example_inputs)
-    with preserved_state(module, inputs):
-        eager_out, eager_state = _run(module, inputs)
-    fused = apply_plan(module, inputs, **options)
+    args, kwargs = tuple(example_inputs), dict(options.get("example_kwargs") or {})
+    tensors = tensors_of(args, kwargs)
+    with preserved_state(module, tensors):
+        eager_out, eager_state = _run(module, args, kwargs)
+    fused = apply_plan(module, args, **options)
     report = fused.report
     try:
         state = module.__dict__["_fuser_state"]
-        reason = state.guard.why_not(inputs, {})
+        reason = state.guard.why_not(args, kwargs)
         if reason:
             return CheckResult(False, [f"the guard refuses the example inputs: {reason}"], [], report)
-        with preserved_state(module, inputs):
-            fused_out, fused_state = _run(module, inputs)
+        with preserved_state(module, tensors):
+            fused_out, fused_state = _run(module, args, kwargs)
     finally:
         restore(module)
     problems, compared = [], ["output"] + list(eager_state)
@@ -617,6 +625,12 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
         if problem:
             problems.append(problem)
     return CheckResult(not problems, problems, compared, report)
+
+
+def tensors_of(args, kwargs=None) -> list[torch.Tensor]:
+    """Every tensor of a call, nested in tuples, lists and dicts too."""
+    leaves = torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 __all__ = ["apply", "restore", "explain", "check", "plan", "FuserError", "Report", "CheckResult"]

@@ -19,6 +19,7 @@ differ in the glue only.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
@@ -32,6 +33,7 @@ import torch
 
 from fuser.capture import capture_decode, replay_time_us
 from fuser.opaque import is_opaque
+from fuser.signature import example_call
 
 HEAVY_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "sm90_", "matmul", "cijk")
 MARKER = "spin"
@@ -289,25 +291,28 @@ def run(
     import fuser
 
     result = BenchResult(target=target, stamp=stamp(), copy_gbps=copy_bandwidth_gbps())
-    eager_module, _ = factory(T=tokens[0], device="cuda")
+    eager_module, _, _ = example_call(factory(T=tokens[0], device="cuda"))
     mark_leaves(eager_module)
-    fused_module, fused_inputs = factory(T=tokens[0], device="cuda")
+    fused_module, fused_args, fused_kwargs = example_call(factory(T=tokens[0], device="cuda"))
     # One trace serves every T below.
-    plans = fuse(fused_module, fused_inputs) if fuse else {"": fuser.api.apply_plan(fused_module, fused_inputs)}
+    if fuse:
+        plans = fuse(fused_module, fused_args)
+    else:
+        plans = {"": fuser.api.apply_plan(fused_module, fused_args, example_kwargs=fused_kwargs)}
     mark_leaves(fused_module)
     result.fuser_report = plans[""].report.to_json()
     result.nested_reports = {name: p.report.to_json() for name, p in plans.items() if name}
     compiled = None
     if "compile" in variants:
-        compile_module, _ = factory(T=tokens[0], device="cuda")
+        compile_module, _, _ = example_call(factory(T=tokens[0], device="cuda"))
         mark_leaves(compile_module, keep_from_dynamo=True)
         compiled = torch.compile(compile_module, dynamic=False)
-    forwards = {"eager": eager_module, "compile": compiled, "fuser": fused_module}
+    modules = {"eager": eager_module, "compile": compiled, "fuser": fused_module}
     for T in tokens:
-        _, inputs = factory(T=T, device="cuda")
+        _, inputs, kwargs = example_call(factory(T=T, device="cuda"))
         torch.cuda.empty_cache()
         for variant in variants:
-            forward = forwards[variant]
+            forward = functools.partial(modules[variant], **kwargs)
             compile_s = None
             if variant == "compile":
                 torch.cuda.synchronize()

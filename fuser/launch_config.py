@@ -1,27 +1,30 @@
 """launch_config: warps per fused kernel, chosen offline per GPU, looked up when a kernel is emitted.
 
-``benchmarks/tune_launch.py`` times each kernel of a model at every warp count on one GPU and
-writes ``fuser/launch_configs/<GPU>.json`` (committed data, shipped with the package). At apply
-time a kernel's ``num_warps`` comes from the table of the GPU it is built on, never from a
-benchmark:
+``fuser tune FILE.py:FACTORY`` (:mod:`fuser.tune`) times each kernel of a model at every warp
+count on one GPU and writes a table ``<GPU>.json``; fuser's own tables ship in
+``fuser/launch_configs/``, and ``$FUSER_LAUNCH_CONFIGS`` (directories, ``:``-separated) adds
+a user's, searched first. At apply time a kernel's ``num_warps`` comes from the table of the
+GPU it is built on, never from a benchmark:
 
 1. the entry for this very kernel (the hash of its body), else
-2. the entry of the same template, pattern and dtype with the nearest feature size, else
-3. the entry of the same template and dtype with the nearest feature size, else
-4. the heuristic in :mod:`fuser.lower` (and always on the CPU, where the interpreter ignores it).
+2. the heuristic in :mod:`fuser.lower` (and always on the CPU, where the interpreter ignores it).
+
+An entry applies to its own kernel only: warps tuned for one kernel say little about another
+of the same size (a DSv4 mHC entry chose 1 warp where a 4096-wide RMSNorm wants 8).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
+import os
 import re
 from pathlib import Path
 
 import torch
 
 TABLE_DIR = Path(__file__).resolve().parent / "launch_configs"
+USER_TABLES = "FUSER_LAUNCH_CONFIGS"
 
 
 def gpu_key(name: str) -> str:
@@ -36,16 +39,25 @@ def current_gpu() -> str | None:
     return gpu_key(torch.cuda.get_device_name())
 
 
+def table_dirs() -> list[Path]:
+    """Where tables are read from: the user's directories first, then fuser's own."""
+    user = [Path(p) for p in os.environ.get(USER_TABLES, "").split(os.pathsep) if p]
+    return user + [TABLE_DIR]
+
+
 @functools.lru_cache(maxsize=None)
-def load_table(gpu: str) -> tuple[dict, ...]:
-    path = TABLE_DIR / f"{gpu}.json"
-    if not path.exists():
-        return ()
-    return tuple(json.loads(path.read_text())["entries"])
+def load_table(gpu: str) -> dict[str, int]:
+    """kernel hash -> num_warps for ``gpu``, over every table directory (the first one wins)."""
+    warps: dict[str, int] = {}
+    for directory in reversed(table_dirs()):
+        path = directory / f"{gpu}.json"
+        if path.exists():
+            warps.update({e["kernel"]: e["num_warps"] for e in json.loads(path.read_text())["entries"]})
+    return warps
 
 
 def entry_key(spec) -> dict:
-    """What a table entry is matched on: the kernel body's hash, template, pattern, dtype, size."""
+    """What a table entry is matched on — the kernel body's hash — and what it records about it."""
     from dataclasses import replace
 
     from fuser.emit import kernel_source
@@ -61,17 +73,8 @@ def entry_key(spec) -> dict:
 
 
 def lookup(spec, gpu: str | None) -> int | None:
-    """The tuned ``num_warps`` for ``spec`` on ``gpu``, or None (use the heuristic)."""
-    table = load_table(gpu) if gpu else ()
+    """The tuned ``num_warps`` for this very kernel on ``gpu``, or None (use the heuristic)."""
+    table = load_table(gpu) if gpu else {}
     if not table or spec.program is None:
         return None
-    key = entry_key(spec)
-    for entry in table:
-        if entry["kernel"] == key["kernel"]:
-            return entry["num_warps"]
-    for fields in (("template", "pattern", "dtype"), ("template", "dtype")):
-        near = [e for e in table if all(e[f] == key[f] for f in fields)]
-        if near:
-            best = min(near, key=lambda e: abs(math.log2(max(e["size"], 1)) - math.log2(max(key["size"], 1))))
-            return best["num_warps"]
-    return None
+    return table.get(entry_key(spec)["kernel"])

@@ -44,6 +44,7 @@ class Report:
     unfused: list[Unfused] = field(default_factory=list)
     precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
+    automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
     launches_before: int = 0
@@ -73,6 +74,10 @@ class Report:
         lines += ["", f"rejected candidates ({len(self.rejected)}):"]
         for r in self.rejected:
             lines.append(f"  {r.pattern:<22} at {r.anchor}: [{r.category}] {r.reason}")
+        if self.automatic_leaves:
+            lines += ["", f"leaves (automatic: their forward could not be traced; they run as they are) ({len(self.automatic_leaves)}):"]
+            for leaf in self.automatic_leaves:
+                lines.append(f"  leaf (automatic): {leaf['name']} — {leaf['where']}, {leaf['reason']}")
         if self.precomputed:
             lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
         if self.literals:

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon import COMPUTE, META, UNIT_VIEW, VIEW, COp
+from fuser.signature import CallSpec
 from fuser.trace import Traced
 
 STATE_ATTR = "_fuser_state"
@@ -229,57 +230,36 @@ def precomputation(graph: fx.Graph, nodes: dict[fx.Node, str]) -> Precomputed:
 class Guard:
     """When the fused forward may run: what the trace assumed about the call."""
 
-    signature: inspect.Signature
-    traced: list[tuple[str, Any]]  # (name, spec) for each traced argument
-    defaults: dict[str, Any]  # parameters baked in at their default values
+    call: CallSpec  # the traced call's structure and non-tensor values
+    traced: list[tuple[str, Any]]  # (graph input name, (dtype, device, sizes)) per tensor
     predicate: Callable[..., bool] | None = None
 
     @classmethod
     def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None) -> "Guard":
-        signature = inspect.signature(module.forward)
         specs = []
         for name, value in zip(traced.input_names, traced.example_inputs):
-            if isinstance(value, torch.Tensor):
-                batch = traced.batch_inputs.get(name)
-                sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
-                specs.append((name, ("tensor", value.dtype, value.device, sizes)))
-            else:
-                specs.append((name, ("value", value)))
-        names = set(traced.input_names)
-        defaults = {n: p.default for n, p in signature.parameters.items() if n not in names}
-        return cls(signature, specs, defaults, predicate)
+            batch = traced.batch_inputs.get(name)
+            sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
+            specs.append((name, (value.dtype, value.device, sizes)))
+        return cls(traced.call, specs, predicate)
 
     def why_not(self, args, kwargs) -> str | None:
         """None when the fused forward applies to this call, else the reason it does not."""
         return self.check(args, kwargs)[1]
 
     def check(self, args, kwargs) -> tuple[list | None, str | None]:
-        """(the traced arguments in order, None) when the fused forward applies, else (None, why)."""
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            return None, str(e)
-        bound.apply_defaults()
-        reason = self._mismatch(bound.arguments)
+        """(the graph's inputs in order, None) when the fused forward applies, else (None, why)."""
+        tensors, reason = self.call.flatten(args, kwargs)
+        if reason is None:
+            reason = self._mismatch(tensors)
         if reason is None and self.predicate is not None and not self.predicate(*args, **kwargs):
             reason = "the user guard declined"
         if reason is not None:
             return None, reason
-        return [bound.arguments[name] for name, _ in self.traced], None
+        return tensors, None
 
-    def _mismatch(self, arguments) -> str | None:
-        for name, default in self.defaults.items():
-            if arguments.get(name, default) is not default:
-                return f"{name} differs from its traced default"
-        for name, spec in self.traced:
-            value = arguments.get(name)
-            if spec[0] == "value":
-                if value != spec[1]:
-                    return f"{name} is {value!r}, traced with {spec[1]!r}"
-                continue
-            _, dtype, device, sizes = spec
-            if not isinstance(value, torch.Tensor):
-                return f"{name} is not a tensor"
+    def _mismatch(self, tensors) -> str | None:
+        for (name, (dtype, device, sizes)), value in zip(self.traced, tensors):
             if value.dtype != dtype or value.device != device or value.dim() != len(sizes):
                 return f"{name} is {value.dtype} {tuple(value.shape)} on {value.device}"
             for i, (have, want) in enumerate(zip(value.shape, sizes)):

@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import traceback
-import warnings
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from fuser.opaque import is_opaque
+from fuser.signature import CallSpec
 
 # Module types kept opaque whatever the user says: the heavy ops of a decode layer.
 DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
@@ -69,6 +70,16 @@ def user_frame() -> str:
     return "<unknown location>"
 
 
+def _error_location(error: Exception) -> str:
+    """``file:line: code`` where ``error`` was raised, outside fuser, torch and the stdlib."""
+    if isinstance(error, TraceRefused):
+        return str(error).split(": ", 1)[0] if ":" in str(error) else "<unknown location>"
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not _is_library_file(frame.filename):
+            return f"{frame.filename}:{frame.lineno}"
+    return "<unknown location>"
+
+
 def refuse(what: str, fix: str) -> TraceRefused:
     return TraceRefused(f"{user_frame()}: {what}. {fix}")
 
@@ -84,6 +95,8 @@ class Traced:
     example_inputs: tuple
     # node name -> (value at T, value at T+1); tensors keep their real data.
     shadows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    call: CallSpec | None = None  # how a call of the forward maps to the graph's inputs
+    automatic_leaves: list["AutomaticLeaf"] = field(default_factory=list)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
@@ -156,6 +169,9 @@ class ShadowProxy(fx.Proxy):
 
     # --- what cannot be traced ---------------------------------------------------------------
     def __bool__(self):
+        answer = _decided_for_any_tokens(self.node)
+        if answer is not None:
+            return answer  # `if x.shape[0] == 0: return ...`: the guard runs no call without tokens
         raise refuse(
             "Python control flow on a traced value (it depends on the batch size or on tensor data)",
             "Branch on static sizes only, or move this code into an opaque leaf (@fuser.opaque).",
@@ -197,6 +213,24 @@ class ShadowProxy(fx.Proxy):
         return self.tracer.create_proxy("call_function", builtins.getattr, (self, name), {})
 
 
+_COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
+
+
+def _decided_for_any_tokens(node: fx.Node) -> bool | None:
+    """The answer of ``size op c`` (a token count ``x.shape[0]`` or ``x.numel()`` against an int
+    constant) when it is the same for every count from one token up; else None."""
+    if node.op != "call_function" or node.target not in _COMPARISONS or len(node.args) != 2:
+        return None
+    a, b = node.args
+    flipped = not isinstance(a, fx.Node)
+    size, constant = (b, a) if flipped else (a, b)
+    counts = isinstance(size, fx.Node) and size.op == "call_method" and size.target in ("size", "numel")
+    if not counts or isinstance(constant, bool) or not isinstance(constant, int):
+        return None
+    answers = {node.target(constant, n) if flipped else node.target(n, constant) for n in (1, 1 << 40)}
+    return answers.pop() if len(answers) == 1 and constant <= 1 else None
+
+
 def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
     if kind == "call_function":
         return target(*args, **kwargs)
@@ -220,8 +254,12 @@ class ShadowTracer(fx.Tracer):
         leaf_names: Iterable[str] = (),
         leaf_types: Sequence[type] = (),
         leaf_functions: Sequence[Callable] = (),
+        autowrap_modules: Sequence = (),
     ):
         super().__init__(autowrap_functions=tuple(leaf_functions), param_shapes_constant=True)
+        # fx patches the leaf functions where these modules hold them by name (it would make
+        # every function of a module passed as `autowrap_modules` a leaf).
+        self._autowrap_search = list(self._autowrap_search) + list(autowrap_modules)
         self.leaf_names = set(leaf_names)
         self.leaf_types = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_types)
         self.shadows: dict[str, tuple[Any, Any]] = {}
@@ -241,7 +279,23 @@ class ShadowTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         if self._eager_depth:
             return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:
+            # The innermost submodule the error came out of: trace() may keep it opaque.
+            if not hasattr(e, "_fuser_submodule") and not self.is_leaf_module(m, self.path_of_module(m)):
+                e._fuser_submodule = self.path_of_module(m)
+                e._fuser_where = _error_location(e)
+            raise
+
+    def create_arg(self, a):
+        if issubclass(type(a), fx.Proxy):  # before fx's own isinstance() probes
+            return a.node
+        if isinstance(a, torch.nn.Module) and not self._eager_depth:
+            # A submodule passed to a function (transformers' attention interface takes the
+            # attention module): an attribute read, with the module as its shadow value.
+            return self.create_proxy("get_attr", self.path_of_module(a), (), {}).node
+        return super().create_arg(a)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self._eager_depth or not isinstance(attr_val, torch.Tensor):
@@ -254,11 +308,6 @@ class ShadowTracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
     # --- proxies carry shadows ---------------------------------------------------------------
-    def create_arg(self, a):
-        if issubclass(type(a), fx.Proxy):  # before fx's own isinstance() probes
-            return a.node
-        return super().create_arg(a)
-
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShadowProxy(node, self)
 
@@ -288,8 +337,20 @@ class ShadowTracer(fx.Tracer):
         finally:
             self._eager_depth -= 1
 
-    # --- entry point -------------------------------------------------------------------------
-    def trace_with_shadows(self, root, inputs_a: tuple, inputs_b: tuple) -> fx.Graph:
+    # --- the call: one placeholder per tensor of the example call ----------------------------
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """Placeholders for the example call's tensors (see :mod:`fuser.signature`); everything
+        else in the call — ``None``, flags, the structure of tuples and dicts — is baked in."""
+        proxies = [self.create_proxy("placeholder", name, (), {}) for name in self._call.names]
+        args, kwargs = self._call.rebuild(proxies)
+        root = self.root
+
+        def traced_call():
+            return root_fn(root, *args, **kwargs) if is_module else root_fn(*args, **kwargs)
+
+        return traced_call, []
+
+    def trace_with_shadows(self, root, call: CallSpec, inputs_a: tuple, inputs_b: tuple) -> fx.Graph:
         """Trace ``root`` (a module or a plain function) on inputs at batch sizes T and T+1."""
         self._attr_names = {}
         if isinstance(root, torch.nn.Module):
@@ -297,24 +358,15 @@ class ShadowTracer(fx.Tracer):
                 root.named_buffers(remove_duplicate=False)
             ):
                 self._attr_names.setdefault(id(t), name)
-        params = list(inspect.signature(forward_of(root)).parameters.values())
-        names = [p.name for p in params[: len(inputs_a)]]
-        self._placeholder_values = {n: (a, b) for n, a, b in zip(names, inputs_a, inputs_b)}
-        # Parameters the example does not pass keep their defaults, baked into the trace.
-        defaults = {p.name: p.default for p in params[len(inputs_a) :]}
-        missing = [n for n, d in defaults.items() if d is inspect.Parameter.empty]
-        if missing:
-            raise ValueError(f"example_inputs give no value for forward parameters {missing}")
+        self._call = call
+        self._placeholder_values = {n: (a, b) for n, a, b in zip(call.names, inputs_a, inputs_b)}
         with (
             _refuse_direct_kernel_launches(),
             _refuse_stream_switches(self),
             _refuse_module_rebinding(),
             _shadow_isinstance(),
-            warnings.catch_warnings(),
         ):
-            # fx warns that baked defaults get no runtime assertion; the splice's guard checks them.
-            warnings.filterwarnings("ignore", message="Was not able to add assertion")
-            return self.trace(root, concrete_args=defaults or None)
+            return self.trace(root)
 
 
 class _refuse_direct_kernel_launches:
@@ -475,65 +527,147 @@ def default_batch_inputs(names: Sequence[str], inputs: Sequence[Any]) -> dict[st
     return {n: 0 for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.dim() >= 1}
 
 
-def opaque_functions_of(root: torch.nn.Module) -> list[Callable]:
-    """Functions marked @fuser.opaque that the module's forward code can reach by name."""
-    found = {}
-    for module in root.modules():
-        namespace = getattr(type(module).forward, "__globals__", {})
-        for value in namespace.values():
-            if callable(value) and not isinstance(value, type) and is_opaque(value):
-                found[id(value)] = value
-    return list(found.values())
+def opaque_functions() -> tuple[list[Callable], list]:
+    """Functions marked @fuser.opaque, and the loaded Python modules that hold them by name:
+    a function stays opaque wherever the traced code reaches it from (a helper in another
+    module included)."""
+    functions, holders = {}, []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or _is_library_module(namespace):
+            continue
+        found = [v for v in list(namespace.values()) if isinstance(v, types.FunctionType) and _marked(v)]
+        for fn in found:
+            functions[id(fn)] = fn
+        if found:
+            holders.append(module)
+    return list(functions.values()), holders
+
+
+def _marked(value) -> bool:
+    try:
+        return is_opaque(value)
+    except Exception:  # noqa: BLE001 - exotic objects whose getattr raises are not marked
+        return False
+
+
+def _is_library_module(namespace: dict) -> bool:
+    file = namespace.get("__file__")
+    return bool(file) and _is_library_file(file)
+
+
+@dataclass
+class AutomaticLeaf:
+    """A submodule the trace could not go into, kept as an opaque call instead."""
+
+    name: str  # qualified name in the traced module
+    where: str  # file:line of the code that could not be traced
+    reason: str
+
+
+#: How many submodules one trace may turn into leaves before it gives up.
+MAX_AUTOMATIC_LEAVES = 64
 
 
 def trace(
     module: torch.nn.Module | Callable,
     example_inputs: Sequence[Any],
     *,
+    example_kwargs: dict[str, Any] | None = None,
     leaves: Iterable[str | type | Callable] = (),
     batch_inputs: dict[str, int] | None = None,
 ) -> Traced:
     """Trace ``module.forward`` (or a plain function) with the token dimension symbolic.
 
-    ``leaves`` adds opaque leaves: submodule qualified names, module classes or functions.
-    ``batch_inputs`` maps forward parameter names to their batch dim (default: dim 0 of every
-    tensor input). Buffers the forward mutates are restored afterwards.
+    The example call is ``module(*example_inputs, **example_kwargs)``; every tensor in it
+    (nested in tuples, lists and dicts too) becomes a graph input, and every other value is
+    baked in (:mod:`fuser.signature`). ``leaves`` adds opaque leaves: submodule qualified names,
+    module classes or functions. A submodule whose forward cannot be traced becomes a leaf by
+    itself (listed in ``Traced.automatic_leaves``); only code of the traced forward itself is
+    refused. ``batch_inputs`` maps forward parameter names (or graph input names) to their
+    batch dim (default: dim 0 of every tensor input). Buffers the forward mutates are restored.
     """
     example_inputs = tuple(example_inputs)
+    example_kwargs = dict(example_kwargs or {})
     if isinstance(module, torch.nn.Module) and "forward" in module.__dict__:
         raise TraceRefused(
             f"{type(module).__name__} has a forward set on the instance (a wrapper, or fuser's own); "
             "fuser traces the class's forward and would drop it. Remove it (or fuser.restore()) first."
         )
-    names = list(inspect.signature(forward_of(module)).parameters)[: len(example_inputs)]
-    if batch_inputs is None:
-        batch_inputs = default_batch_inputs(names, example_inputs)
-    unknown = set(batch_inputs) - set(names)
-    if unknown:
-        raise ValueError(f"batch_inputs names {sorted(unknown)} are not parameters of forward{tuple(names)}")
-    grown = tuple(
-        _grow_batch(v, batch_inputs[n]) if n in batch_inputs else v for n, v in zip(names, example_inputs)
-    )
+    try:
+        call = CallSpec.of(forward_of(module), example_inputs, example_kwargs)
+    except TypeError as e:
+        raise ValueError(f"the example inputs do not fit {_qualname(module)}.forward: {e}") from None
+    tensors, _ = call.flatten(example_inputs, example_kwargs)
+    batch = batch_dims_of(call, tensors, batch_inputs)
+    grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
     leaves = list(leaves)
-    tracer = ShadowTracer(
-        leaf_names=[x for x in leaves if isinstance(x, str)],
-        leaf_types=[x for x in leaves if isinstance(x, type)],
-        leaf_functions=[x for x in leaves if callable(x) and not isinstance(x, type)]
-        + (opaque_functions_of(module) if isinstance(module, torch.nn.Module) else []),
-    )
-    # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
-    # one trace at a time, so concurrent apply() calls never see each other's patches.
-    with _TRACE_LOCK, preserved_state(module, example_inputs), torch.no_grad():
-        graph = tracer.trace_with_shadows(module, example_inputs, grown)
+    functions, holders = opaque_functions()
+    automatic: list[AutomaticLeaf] = []
+    while True:
+        tracer = ShadowTracer(
+            leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic],
+            leaf_types=[x for x in leaves if isinstance(x, type)],
+            leaf_functions=[x for x in leaves if callable(x) and not isinstance(x, type)] + functions,
+            autowrap_modules=holders,
+        )
+        # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
+        # one trace at a time, so concurrent apply() calls never see each other's patches.
+        try:
+            with _TRACE_LOCK, preserved_state(module, tensors), torch.no_grad():
+                graph = tracer.trace_with_shadows(module, call, tensors, grown)
+            break
+        except Exception as e:  # noqa: BLE001 - an untraceable submodule becomes a leaf; see below
+            leaf = _automatic_leaf(e, automatic)
+            if leaf is None:
+                raise
+            automatic.append(leaf)
     _drop_unused_size_reads(graph)
     return Traced(
         root=module,
         graph=graph,
-        input_names=names,
-        batch_inputs=dict(batch_inputs),
-        example_inputs=example_inputs,
+        input_names=list(call.names),
+        batch_inputs=batch,
+        example_inputs=tuple(tensors),
         shadows=tracer.shadows,
+        call=call,
+        automatic_leaves=automatic,
     )
+
+
+def _automatic_leaf(error: Exception, taken: list[AutomaticLeaf]) -> AutomaticLeaf | None:
+    """The submodule to keep opaque after ``error`` stopped the trace inside it, or None when
+    the error came from the traced forward's own code (then it is the trace's answer)."""
+    name = getattr(error, "_fuser_submodule", None)
+    if name is None or any(a.name == name for a in taken) or len(taken) >= MAX_AUTOMATIC_LEAVES:
+        return None
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = getattr(error, "_fuser_where", "<unknown location>")
+    if isinstance(error, TraceRefused) and message.startswith(where):
+        message = message[len(where) :].lstrip(": ")
+    elif not isinstance(error, TraceRefused):
+        message = f"{type(error).__name__}: {message}"
+    return AutomaticLeaf(name, where, message)
+
+
+def batch_dims_of(call: CallSpec, tensors: list, batch_inputs: dict[str, int] | None) -> dict[str, int]:
+    """Graph input name -> its batch dim. A forward parameter's name stands for all its tensors."""
+    if batch_inputs is None:
+        return default_batch_inputs(call.names, tensors)
+    by_parameter = call.tensor_names_by_parameter()
+    batch = {}
+    for name, dim in batch_inputs.items():
+        if name in call.names:
+            batch[name] = dim
+        elif name in by_parameter:
+            batch.update({n: dim for n in by_parameter[name]})
+        else:
+            raise ValueError(f"batch_inputs names {name!r}, which is no tensor input of forward {tuple(call.names)}")
+    return batch
+
+
+def _qualname(module) -> str:
+    return type(module).__name__ if isinstance(module, torch.nn.Module) else getattr(module, "__qualname__", str(module))
 
 
 def _drop_unused_size_reads(graph: fx.Graph) -> None:

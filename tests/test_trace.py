@@ -47,7 +47,16 @@ def call_nodes(traced, op):
 
 class BranchOnTokens(nn.Module):
     def forward(self, x):
-        if x.shape[0] == 0:  # REFUSE-TOKEN-BRANCH
+        if x.shape[0] > 2:  # REFUSE-TOKEN-BRANCH
+            return x
+        return x * 2
+
+
+class EarlyExitWithoutTokens(nn.Module):
+    def forward(self, x):
+        if x.shape[0] == 0 or 0 == x.numel():
+            return x
+        if not x.size(0) > 0:
             return x
         return x * 2
 
@@ -74,6 +83,16 @@ def test_python_branch_on_token_count_is_refused_with_file_and_line():
         trace(BranchOnTokens(), (torch.randn(3, 8),))
     message = assert_refused_at(excinfo, "REFUSE-TOKEN-BRANCH")
     assert "control flow" in message
+
+
+def test_an_exit_for_zero_tokens_is_specialised_on_tokens():
+    """The guard runs no call without tokens, so `if x.shape[0] == 0` is decided: False."""
+    traced = trace(EarlyExitWithoutTokens(), (torch.randn(3, 8),))
+    ops = [n.target for n in traced.graph.nodes if n.op in ("call_function", "call_method")]
+    assert operator.mul in ops  # the x * 2 path was traced
+    gm = torch.fx.GraphModule(EarlyExitWithoutTokens(), traced.graph)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(gm(x), x * 2)
 
 
 def test_data_dependent_branch_is_refused():

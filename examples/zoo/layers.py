@@ -1,0 +1,175 @@
+"""transformers' own decoder layers, as transformers ships them, for fuser to fuse.
+
+Every model has two factories, each taking the token count ``T``, ``device`` and ``dtype``, and
+returning ``(layer, args, kwargs)``: tiny dims on the CPU, the real model's dims on a GPU.
+
+* ``<model>`` — the whole decoder layer with its real attention module (RoPE, q/k norms, GQA,
+  sinks, MLA), called the way the model calls it in a decode step: ``T`` sequences, one new
+  token each (hidden states ``[T, 1, hidden]``), no KV cache;
+* ``<model>_proj`` — the same layer with attention replaced by one projection, so what is left
+  is the layer's glue around its norms, MLP or experts.
+
+Experts run through transformers' ``grouped_mm`` path (``config._experts_implementation``).
+Nothing here is edited to suit fuser: only configs are chosen and inputs made.
+
+    fuser check examples/zoo/layers.py:qwen3
+    fuser bench examples/zoo/layers.py:qwen3_moe_proj --tokens 1,8,128,512
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+
+# model -> (transformers module, config class, decoder layer class, rotary class, real dims, tiny dims)
+REAL, TINY = "real", "tiny"
+MODELS = {
+    "qwen3": dict(  # Qwen3-8B
+        module="qwen3", prefix="Qwen3",
+        real=dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+        tiny=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    "qwen3_moe": dict(  # Qwen3-30B-A3B
+        module="qwen3_moe", prefix="Qwen3Moe",
+        real=dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+                  num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128),
+        tiny=dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=96, num_experts=8,
+                  num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    "mixtral": dict(  # Mixtral-8x7B
+        module="mixtral", prefix="Mixtral",
+        real=dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+        tiny=dict(hidden_size=64, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    "gpt_oss": dict(  # gpt-oss-20b
+        module="gpt_oss", prefix="GptOss",
+        real=dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                  num_attention_heads=64, num_key_value_heads=8, head_dim=64),
+        tiny=dict(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    "gemma3": dict(  # Gemma-3-12B
+        module="gemma3", prefix="Gemma3", config="Gemma3TextConfig", layer="Gemma3DecoderLayer", rotary="Gemma3RotaryEmbedding",
+        real=dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8, head_dim=256),
+        tiny=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    "deepseek_v3": dict(  # DeepSeek-V3 (a MoE layer)
+        module="deepseek_v3", prefix="DeepseekV3",
+        real=dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+                  num_experts_per_tok=8, n_group=8, topk_group=4, num_attention_heads=128, num_key_value_heads=128,
+                  q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  first_k_dense_replace=0),
+        tiny=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, n_group=4, topk_group=2, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                  first_k_dense_replace=0),
+    ),
+    "deepseek_v4": dict(  # DeepSeek-V4-Flash (a sliding-window MoE layer)
+        module="deepseek_v4", prefix="DeepseekV4",
+        real=dict(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6,
+                  num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
+                  o_groups=8, o_lora_rank=1024, layer_types=["sliding_attention"], mlp_layer_types=["moe"]),
+        tiny=dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+                  o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=8,
+                  layer_types=["sliding_attention"], mlp_layer_types=["moe"]),
+    ),
+}  # fmt: skip
+
+
+def _classes(model: str):
+    spec = MODELS[model]
+    code = importlib.import_module(f"transformers.models.{spec['module']}.modeling_{spec['module']}")
+    config_code = importlib.import_module(f"transformers.models.{spec['module']}.configuration_{spec['module']}")
+    prefix = spec["prefix"]
+    config_class = getattr(config_code, spec.get("config", f"{prefix}Config"))
+    layer_class = getattr(code, spec.get("layer", f"{prefix}DecoderLayer"))
+    rotary_class = getattr(code, spec.get("rotary", f"{prefix}RotaryEmbedding"))
+    return config_class, layer_class, rotary_class
+
+
+def config(model: str, device) -> object:
+    """The model's config at real dims on a GPU, tiny dims elsewhere: one layer, eval mode."""
+    config_class, _, _ = _classes(model)
+    dims = MODELS[model][REAL if torch.device(device).type == "cuda" else TINY]
+    cfg = config_class(num_hidden_layers=1, **dims)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    return cfg
+
+
+class Projection(nn.Module):
+    """Stands in for a layer's attention: one projection, called as transformers calls attention."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, hidden_states, **kwargs):
+        return self.proj(hidden_states), None
+
+
+def build(model: str, T: int = 3, device="cpu", dtype=torch.bfloat16, projection: bool = False):
+    """``(layer, args, kwargs)``: the decoder layer and the inputs of one decode step."""
+    torch.manual_seed(0)
+    cfg = config(model, device)
+    _, layer_class, rotary_class = _classes(model)
+    with torch.device(device):
+        layer = layer_class(cfg, layer_idx=0)
+        _init(layer)
+        if projection:
+            layer.self_attn = Projection(cfg.hidden_size)
+        layer = layer.to(dtype).eval()
+        rotary = rotary_class(cfg)
+        hidden = torch.randn(T, 1, cfg.hidden_size, dtype=dtype)
+        position_ids = torch.arange(T).view(T, 1) + 7
+        kwargs = dict(attention_mask=None, position_ids=position_ids)
+        kwargs["position_embeddings"] = _rotary(model, rotary, hidden, position_ids)
+    args = (hidden,)
+    if model == "deepseek_v4":  # hc_mult residual streams, as DeepseekV4Model makes them
+        args = (hidden.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous(),)
+        kwargs["input_ids"] = torch.randint(0, cfg.vocab_size, (T, 1), device=device)
+    return layer, args, kwargs
+
+
+def _rotary(model, rotary, hidden, position_ids):
+    if model == "deepseek_v4":
+        return {kind: rotary(hidden, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
+    if model == "gemma3":
+        return rotary(hidden, position_ids, layer_type="sliding_attention")
+    return rotary(hidden, position_ids)
+
+
+def _init(layer: nn.Module) -> None:
+    """Random weights at a scale that keeps activations O(1) (weights are created empty)."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "norm" in name or name.endswith("weight"):
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.1)
+        for name, b in layer.named_buffers():
+            if b.is_floating_point() and not torch.isfinite(b).all():
+                b.zero_()
+
+
+def _factories():
+    def make(model, projection):
+        def factory(T: int = 3, device="cpu", dtype=torch.bfloat16):
+            return build(model, T, device, dtype, projection)
+
+        factory.__name__ = model + ("_proj" if projection else "")
+        factory.__doc__ = f"transformers' {model} decoder layer" + (", attention replaced by one projection" if projection else "")
+        return factory
+
+    return {f.__name__: f for model in MODELS for f in (make(model, False), make(model, True))}
+
+
+FACTORIES = _factories()
+globals().update(FACTORIES)

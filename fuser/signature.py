@@ -1,0 +1,180 @@
+"""signature: a forward's call as a flat list of tensors, and back.
+
+Modeling code takes more than positional tensors: ``forward(self, hidden_states, ...,
+**kwargs)`` with ``position_embeddings=(cos, sin)``, ``attention_mask=None``, a dict of
+rotary tables. The traced graph takes one placeholder per tensor; everything else in the call
+(``None``, flags, ints, the structure of tuples and dicts) is baked into the trace and pinned
+by the guard. :class:`CallSpec` is that mapping, built from the example call:
+
+    spec = CallSpec.of(layer.forward, (hidden,), {"position_embeddings": (cos, sin)})
+    spec.names                      # ['hidden_states', 'position_embeddings_0', 'position_embeddings_1']
+    tensors, why = spec.flatten((h2,), {"position_embeddings": (c2, s2)})   # why: None, or a reason
+    args, kwargs = spec.rebuild(tensors)                                   # the call again
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+# Non-tensor values that the guard compares by value; anything else must be the same object.
+_BY_VALUE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+@dataclass(frozen=True)
+class _Argument:
+    """One parameter of the forward as the example passed it."""
+
+    name: str
+    kind: Any  # inspect.Parameter kind
+    spec: Any  # the pytree structure of its value
+    constants: tuple  # (leaf index, value, what the message calls it) for each non-tensor leaf
+    tensor_leaves: tuple  # leaf indices holding tensors
+
+
+class CallSpec:
+    """How one example call of ``forward`` maps to the traced graph's tensor placeholders."""
+
+    def __init__(self, signature: inspect.Signature, arguments: list[_Argument], names: list[str]):
+        self.signature = signature
+        self.arguments = arguments
+        self.names = names  # one per tensor, in placeholder order
+
+    def __deepcopy__(self, memo) -> "CallSpec":
+        return self  # never changed after it is made; a copy of a fused module shares it
+
+    @classmethod
+    def of(cls, forward: Callable, args: tuple = (), kwargs: dict | None = None) -> "CallSpec":
+        signature = inspect.signature(forward)
+        bound = _bind(signature, args, kwargs or {})
+        arguments, names, taken = [], [], set()
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            leaves, spec = pytree.tree_flatten_with_path(value)
+            tensors, constants = [], []
+            for i, (path, leaf) in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    tensors.append(i)
+                    names.append(_unique(_placeholder_name(name, kind, path), taken))
+                else:
+                    constants.append((i, leaf, _label(name, kind, path)))
+            arguments.append(_Argument(name, kind, spec, tuple(constants), tuple(tensors)))
+        return cls(signature, arguments, names)
+
+    def tensor_names_by_parameter(self) -> dict[str, list[str]]:
+        """forward parameter name -> the names of the graph inputs its tensors became."""
+        names, result = iter(self.names), {}
+        for argument in self.arguments:
+            result[argument.name] = [next(names) for _ in argument.tensor_leaves]
+        return result
+
+    def flatten(self, args: tuple, kwargs: dict) -> tuple[list | None, str | None]:
+        """(the call's tensors in placeholder order, None) when the call has the example's
+        structure and non-tensor values, else (None, why not)."""
+        try:
+            bound = _bind(self.signature, args, kwargs)
+        except TypeError as e:
+            return None, str(e)
+        if len(bound.arguments) != len(self.arguments):
+            return None, "a different set of arguments than traced"
+        tensors = []
+        for argument in self.arguments:
+            value = bound.arguments.get(argument.name)
+            leaves, spec = pytree.tree_flatten(value)
+            if spec != argument.spec:
+                return None, f"{argument.name} has another structure than traced ({_describe(value)})"
+            for i, constant, label in argument.constants:
+                if not _same(leaves[i], constant):
+                    return None, f"{label} is {leaves[i]!r}, traced with {constant!r}"
+            for i in argument.tensor_leaves:
+                if not isinstance(leaves[i], torch.Tensor):
+                    return None, f"{argument.name} is not a tensor where the trace had one"
+                tensors.append(leaves[i])
+        return tensors, None
+
+    def rebuild(self, tensors) -> tuple[tuple, dict]:
+        """The call (args, kwargs) with the given values in place of the example's tensors."""
+        tensors = iter(tensors)
+        args, kwargs = [], {}
+        for argument in self.arguments:
+            leaves = [None] * argument.spec.num_leaves
+            for i, constant, _ in argument.constants:
+                leaves[i] = constant
+            for i in argument.tensor_leaves:
+                leaves[i] = next(tensors)
+            value = pytree.tree_unflatten(leaves, argument.spec)
+            if argument.kind == inspect.Parameter.VAR_POSITIONAL:
+                args.extend(value)
+            elif argument.kind == inspect.Parameter.VAR_KEYWORD:
+                kwargs.update(value)
+            elif argument.kind == inspect.Parameter.KEYWORD_ONLY:
+                kwargs[argument.name] = value
+            else:
+                args.append(value)
+        return tuple(args), kwargs
+
+
+def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def _same(value, constant) -> bool:
+    if value is constant:
+        return True
+    if type(value) is not type(constant) or not isinstance(constant, _BY_VALUE):
+        return False
+    return value == constant
+
+
+def _label(name: str, kind, path) -> str:
+    """``scale`` for ``**kwargs['scale']``; ``position_embeddings[1]``; ``mask``."""
+    if kind == inspect.Parameter.VAR_KEYWORD and path and hasattr(path[0], "key"):
+        name, path = str(path[0].key), path[1:]
+    return name + "".join(str(k) for k in path)  # pytree keys print as [1], ['key'], .attr
+
+
+def _placeholder_name(name: str, kind, path) -> str:
+    """``hidden_states``; ``position_embeddings_0``; ``input_ids`` for ``**kwargs['input_ids']``."""
+    keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if kind == inspect.Parameter.VAR_KEYWORD and keys:
+        name, keys = keys[0], keys[1:]
+    text = "_".join([name] + keys)
+    text = re.sub(r"\W", "_", text)
+    return text if text.isidentifier() else f"arg_{text}"
+
+
+def _unique(name: str, taken: set) -> str:
+    candidate, n = name, 1
+    while candidate in taken:
+        candidate, n = f"{name}_{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    return type(value).__name__
+
+
+def example_call(made) -> tuple[Any, tuple, dict]:
+    """A factory's result, ``(module, args)`` or ``(module, args, kwargs)``, as the three."""
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+        raise TypeError(f"a factory returns (module, args) or (module, args, kwargs), not {_describe(made)}")
+    module, args, kwargs = (*made, {}) if len(made) == 2 else made
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+        raise TypeError(f"a factory's example inputs are a tuple of args and a dict of kwargs, not {_describe(args)}, {_describe(kwargs)}")
+    return module, tuple(args), dict(kwargs)
