@@ -12,7 +12,24 @@ from fuser.report import Report
 from fuser.splice import is_fused, restore
 from fuser.trace import TraceRefused, trace
 
+
+def _version() -> str:
+    """The installed distribution's version; in a checkout without one, pyproject.toml's."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    try:
+        return importlib.metadata.version("fuser")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return found.group(1) if found else "unknown"
+
+
+__version__ = _version()
+
 __all__ = [
-    "apply", "restore", "explain", "check", "plan", "trace", "opaque", "is_opaque", "is_fused",
+    "__version__", "apply", "restore", "explain", "check", "plan", "trace", "opaque", "is_opaque", "is_fused",
     "Param", "tensor", "Report", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
 ]  # fmt: skip
