@@ -62,17 +62,21 @@ def load_factory(spec: str):
     return factory
 
 
-def build(spec: str):
-    """Call the factory of ``FILE.py:FACTORY``: ``(module, example_inputs)``."""
+def build(spec: str, **factory_args):
+    """Call the factory of ``FILE.py:FACTORY``: ``(module, args, kwargs)`` (a factory returns
+    ``(module, example_inputs)`` or ``(module, args, kwargs)``)."""
+    from fuser.signature import example_call
+
     factory = load_factory(spec)
     file = Path(spec.rpartition(":")[0]).resolve()
     try:
-        result = factory()
+        result = factory(**factory_args)
     except Exception as e:  # noqa: BLE001 - the user's factory failed, not fuser
         raise UsageError(f"{_frame_in(e, file)}: {factory.__name__}() raised {_first_line(e)}") from e
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise UsageError(f"{spec} must return (module, example_inputs), not {type(result).__name__}")
-    return result
+    try:
+        return example_call(result)
+    except TypeError as e:
+        raise UsageError(f"{spec}: {e}") from None
 
 
 def resolve_leaves(module, names) -> list:
@@ -118,15 +122,15 @@ def _use_interpreter_without_gpu():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's CPU interpreter
 
 
-def _options(args, module) -> dict:
-    return {"leaves": resolve_leaves(module, args.leaf), "patterns": args.patterns or ()}
+def _options(args, module, kwargs) -> dict:
+    return {"leaves": resolve_leaves(module, args.leaf), "patterns": args.patterns or (), "example_kwargs": kwargs}
 
 
 def cmd_explain(args) -> int:
     import fuser
 
-    module, inputs = build(args.target)
-    report = fuser.explain(module, inputs, **_options(args, module))
+    module, inputs, kwargs = build(args.target)
+    report = fuser.explain(module, inputs, **_options(args, module, kwargs))
     print(report.json() if args.json else report.text())
     return OK
 
@@ -134,8 +138,8 @@ def cmd_explain(args) -> int:
 def cmd_check(args) -> int:
     import fuser
 
-    module, inputs = build(args.target)
-    result = fuser.check(module, inputs, **_options(args, module))
+    module, inputs, kwargs = build(args.target)
+    result = fuser.check(module, inputs, **_options(args, module, kwargs))
     if args.json:
         print(json.dumps({"ok": result.ok, "problems": result.problems, "compared": result.compared}, indent=2))
     else:
@@ -146,8 +150,8 @@ def cmd_check(args) -> int:
 def cmd_profile(args) -> int:
     from fuser.profile import profile
 
-    module, inputs = build(args.target)
-    chains = profile(module, inputs, **_options(args, module)).chains
+    module, inputs, kwargs = build(args.target)
+    chains = profile(module, inputs, **_options(args, module, kwargs)).chains
     on_gpu = any(c.gpu_us is not None for c in chains)
     if args.json:
         cost = "gpu_us" if on_gpu else "launches"
@@ -165,8 +169,8 @@ def cmd_suggest(args) -> int:
 
     if args.out and Path(args.out).exists() and not args.force:
         raise UsageError(f"{args.out} exists; pass --force to overwrite it")
-    module, inputs = build(args.target)
-    result = profile(module, inputs, **_options(args, module))
+    module, inputs, kwargs = build(args.target)
+    result = profile(module, inputs, **_options(args, module, kwargs))
     target = suggestion_target(result)
     if target is None:
         message = "nothing to suggest: every glue chain is claimed by a pattern"
@@ -200,6 +204,27 @@ def cmd_bench(args) -> int:
     return OK
 
 
+def cmd_tune(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("tune times kernels on a CUDA GPU and there is none here")
+    from fuser import bench
+    from fuser.launch_config import TABLE_DIR, current_gpu
+    from fuser.tune import tune, write_table
+
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    module, inputs, kwargs = build(args.target, T=max(tokens), device="cuda")
+    entries = tune(module, inputs, kwargs, tokens)
+    about = {**bench.stamp(), "tokens": list(tokens)}
+    path = write_table(entries, Path(args.out) if args.out else TABLE_DIR, current_gpu(), about)
+    slow = [e for e in entries if e["heuristic_over_best"] > 1.1]
+    print(f"wrote {path}: {len(entries)} kernels; the heuristic is within 10% of the best on {len(entries) - len(slow)}")
+    if args.out:
+        print(f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
+    return OK
+
+
 def cmd_test_pattern(args) -> int:
     from fuser.testing import run_pattern_file
 
@@ -221,7 +246,9 @@ def parser() -> argparse.ArgumentParser:
         return p
 
     def module_options(p: argparse.ArgumentParser, json_help: str = "machine-readable output (JSON)") -> None:
-        p.add_argument("target", metavar="FILE.py:FACTORY", help="a function in FILE.py returning (module, example_inputs)")
+        p.add_argument(
+            "target", metavar="FILE.py:FACTORY", help="a function in FILE.py returning (module, args) or (module, args, kwargs)"
+        )
         p.add_argument("--json", action="store_true", help=json_help)
         p.add_argument(
             "--leaf", action="append", metavar="NAME",
@@ -242,6 +269,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="eager,compile,fuser", help="what to time, comma-separated (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the .json and .md results (default: %(default)s)")
     p.add_argument("--name", default="bench", help="file name stem of the results (default: %(default)s)")
+    p = command("tune", cmd_tune, "choose each fused kernel's warps on this GPU, offline; writes a launch table")
+    p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
+    p.add_argument("--tokens", default="8,256", help="token counts to time at, comma-separated (default: %(default)s)")
+    p.add_argument("--out", metavar="DIR", help="directory of the table (default: fuser's own launch_configs/)")
     p = command("test-pattern", cmd_test_pattern, "golden-test a pattern file on its own; exit 1 on mismatch, 2 if invalid")
     p.add_argument("file", metavar="FILE.py", help="the pattern file")
     return top

@@ -113,12 +113,12 @@ def _claimed(pattern: str) -> bool:
 
 def profile(module: torch.nn.Module, example_inputs, **options) -> Profile:
     """The module's glue chains, costliest first, each with what fuser does to it."""
-    from fuser.api import plan
+    from fuser.api import plan, tensors_of
 
-    with preserved_state(module, example_inputs):
+    with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         p = plan(module, example_inputs, **options)
     traced, cops = p.traced, canonicalize(p.traced)
-    on_gpu = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+    on_gpu = any(x.is_cuda for x in traced.example_inputs)
     times = gpu_time_per_node(module, traced) if on_gpu else {}
     fused_by = {n.name: k.region.pattern for k in p.kernels for n in k.region.covered}
     by_pattern = patterns_by_node(p.kernels)

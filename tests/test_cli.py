@@ -338,3 +338,15 @@ def test_test_pattern_runs_fuser_testing_on_the_file(tmp_path):
     result = fuser_cli("test-pattern", str(bad))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "bad.py:1" in result.stdout + result.stderr
+
+
+def test_a_factory_may_return_keyword_arguments():
+    """transformers' decoder layers take their rotary tables by keyword: (module, args, kwargs)."""
+    result = fuser_cli("check", "examples/zoo/layers.py:qwen3_proj")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check passed" in result.stdout
+
+
+def test_tune_without_a_gpu_is_a_usage_error():
+    result = fuser_cli("tune", "examples/zoo/layers.py:qwen3_proj")
+    assert result.returncode == 2 and "CUDA GPU" in result.stderr
