@@ -171,9 +171,23 @@ def _validate(kernel: Kernel, values, cops) -> str | None:
     for node, actual, expected in zip(region.outputs, got, expected_values):
         coarsest = least_precise([precision, expected.dtype]) if isinstance(expected, torch.Tensor) else None
         problem = mismatch(actual, expected, f"`{node.name}`", tol_dtype=coarsest)
-        if problem:
+        if problem and not _near_tie(node, actual, expected, values, cops, coarsest):
             return problem
     return None
+
+
+def _near_tie(node: fx.Node, actual, expected, values, cops, dtype) -> bool:
+    """Top-k indices that differ only where the scores they pick are equal within tolerance:
+    the kernel rounds the scores in another order than eager, so of two near-equal scores it
+    may pick the other one — as any other kernel for the same math would. Their values (and
+    what is computed from them) are still compared as usual."""
+    cop = cops.get(node)
+    if cop is None or cop.op != "topk_indices" or not isinstance(actual, torch.Tensor):
+        return False
+    scores = values[cops[cop.args[0]].args[0]]
+    picked = scores.gather(-1, actual.long()).sort(-1).values
+    wanted = scores.gather(-1, expected.long()).sort(-1).values
+    return mismatch(picked, wanted, f"`{node.name}` scores", tol_dtype=dtype) is None
 
 
 def plan(

@@ -228,3 +228,26 @@ def test_an_early_exit_for_zero_tokens_is_specialised_under_the_guard():
     empty = torch.randn(0, 16)
     assert m(empty).shape == (0, 16)  # the guard sends zero tokens to the eager forward
     fuser.restore(m)
+
+
+def test_topk_picks_may_differ_only_between_equal_scores():
+    """Validation accepts a kernel's top-k that picks the other of two near-equal scores (its
+    fp32 rounding differs from eager's), never one that picks a lower score."""
+    from torch.fx import Graph
+
+    from fuser.api import _near_tie
+    from fuser.canon import COMPUTE, UNIT_VIEW, COp
+
+    graph = Graph()
+    x = graph.placeholder("scores")
+    topk = graph.call_function(torch.topk, (x, 1))
+    indices = graph.call_function(getattr, (topk, "indices"))
+    cops = {
+        topk: COp("topk", COMPUTE, (x,), (("k", 1),), (topk,)),
+        indices: COp("topk_indices", UNIT_VIEW, (topk,), (), (indices,)),
+    }
+    scores = torch.tensor([[0.1, 0.2, 0.35, 0.0, 0.0, 0.35 - 1e-9]])
+    values = {x: scores}
+    eager = torch.tensor([[2]])
+    assert _near_tie(indices, torch.tensor([[5]]), eager, values, cops, torch.float32)
+    assert not _near_tie(indices, torch.tensor([[1]]), eager, values, cops, torch.float32)
