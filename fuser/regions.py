@@ -379,7 +379,9 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
     """``region`` with the unfused ops next to it pulled in, or None if none can be.
 
     An op joins when it only reads the region's values (and graph inputs) — an epilogue, it
-    becomes an extra output — or when the region is its only reader — a prologue.
+    becomes an extra output — or when the region reads it — a prologue, an extra output too
+    when others read it as well (a residual add read by the next norm and the next residual:
+    one kernel writes the sum and the norm).
     """
     if region.template in PARAM_TEMPLATES:
         return None
@@ -392,7 +394,7 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
             a in covered or a in region.inputs or builder.cops[a].kind == INPUT for a in args
         )
         users = builder.users_outside(node, set())
-        prologue = bool(users) and all(u in covered for u in users)
+        prologue = any(u in covered for u in users)
         if epilogue or prologue:
             covered.add(node)
             grown = True
@@ -400,8 +402,8 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
         return None
     nodes = sorted(set(region.nodes) | (covered - region.covered), key=builder.order.get)
     inputs, outputs = builder.boundary(nodes)
-    if region.match:  # the pattern's outputs first, in its order
-        outputs = list(region.outputs) + [o for o in outputs if o not in region.outputs]
+    if region.match:  # the pattern's outputs first, in its order; a value nobody reads now is not written
+        outputs = [o for o in region.outputs if o in outputs] + [o for o in outputs if o not in region.outputs]
     position, _, _ = builder.placement(covered, inputs, outputs)
     if position is None:
         return None

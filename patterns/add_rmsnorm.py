@@ -15,8 +15,8 @@ def reference(x, residual, weight, eps=Param(1e-6)):
 PATTERN = dict(
     template="row_reduce",
     inputs=dict(
-        x=tensor("T, N", "bfloat16 float16 float32"),
-        residual=tensor("T, N", "bfloat16 float16 float32"),
+        x=tensor("T, ..., N", "bfloat16 float16 float32"),
+        residual=tensor("T, ..., N", "bfloat16 float16 float32"),
         weight=tensor("N", "bfloat16 float16 float32"),
     ),
     example=dict(N=64),
