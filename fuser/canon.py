@@ -10,10 +10,15 @@ it stands for. Rewrites fold spelling variants into one form:
     sum(x, d) / n, sum(x, d) * (1/n)   (n = the size)  -> mean(x, d)
     x * sigmoid(x)                                     -> silu(x)
     clamp_min / clamp_max / clip                       -> clamp
+    F.gelu(x, approximate="tanh"), nn.GELU("tanh")     -> gelu_tanh(x)
+    x.masked_fill(mask, v)                             -> where(mask, v, x)
+    torch.max(x, d).values / .indices                  -> amax(x, d) / argmax(x, d)
+    zeros_like, ones_like, full, x.new_full, ...       -> full (attribute value)
     method vs function, view vs reshape, args vs kwargs -> the same op and attributes
 
 Both the model graph and every pattern's reference graph go through this module, so matching
-is a plain structural comparison of COps.
+is a plain structural comparison of COps. Which ops exist, their other spellings and their
+positional parameters come from the op table (fuser/ops.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fuser import ops
 from fuser.opaque import is_opaque
 from fuser.trace import Traced
 
@@ -43,15 +49,13 @@ UNSUPPORTED = "unsupported"  # glue no template can lower yet: kept, reported wi
 
 GLUE_KINDS = (COMPUTE, UNIT_VIEW, VIEW, MUTATION, UNSUPPORTED)
 
-UNARY = {
-    "neg", "abs", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "reciprocal",
-    "sigmoid", "tanh", "silu", "relu", "sin", "cos", "square", "erf", "floor", "ceil", "copy",
-}  # fmt: skip
-BINARY = {"add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge"}
-COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne"}
-REDUCTIONS = {"sum", "mean", "amax", "amin"}
-REDUCING = REDUCTIONS | {"softmax"}  # ops that combine values along an axis
-ELEMENTWISE = UNARY | BINARY | {"clamp", "softplus", "where", "cast"}
+# What each op is comes from the op table (fuser/ops.py).
+UNARY = ops.pointwise(1)  # op(x)
+BINARY = ops.pointwise(2)  # op(a, b)
+COMMUTATIVE = ops.COMMUTATIVE
+REDUCTIONS = frozenset(n for n, op in ops.TABLE.items() if op.kind == ops.REDUCTION)  # dim, keepdim
+REDUCING = ops.REDUCING  # ops that combine values along an axis
+ELEMENTWISE = frozenset(n for n, op in ops.TABLE.items() if op.kind == ops.POINTWISE)
 
 HEAVY_FUNCTIONS = {
     F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.einsum, torch.addmm,
@@ -65,11 +69,9 @@ _OPERATOR_NAMES = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
     operator.neg: "neg", operator.pow: "pow", operator.eq: "eq", operator.ne: "ne",
     operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge",
+    operator.and_: "bitwise_and", operator.or_: "bitwise_or", operator.invert: "invert",
 }  # fmt: skip
-_ALIASES = {
-    "true_divide": "div", "multiply": "mul", "subtract": "sub", "negative": "neg", "clip": "clamp",
-    "clamp_min": "clamp", "clamp_max": "clamp", "pow_": None, "absolute": "abs", "max_elementwise": "maximum",
-}  # fmt: skip
+_ALIASES = dict(ops.SPELLINGS)
 _VIEW_METHODS = {
     "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
     "permute", "transpose", "t", "narrow", "view_as", "reshape_as", "movedim", "select",
@@ -82,15 +84,24 @@ _PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
 _COMPLEX_OPS = {"mul", "add", "sub", "neg", "cat"}
 _MAY_COPY = {"reshape", "flatten", "reshape_as"}  # views when the layout allows, else copies
 _TOPK_PARTS = {"values": "topk_values", 0: "topk_values", "indices": "topk_indices", 1: "topk_indices"}
-_CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
+_DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+_CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool"}
 _TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
 
 # Positional parameter names after the input, per canonical op (method and torch.* agree).
-_POSITIONAL = {
-    "sum": ("dim", "keepdim"), "mean": ("dim", "keepdim"), "amax": ("dim", "keepdim"),
-    "amin": ("dim", "keepdim"), "softmax": ("dim",), "log_softmax": ("dim",),
-    "clamp": ("min", "max"), "softplus": ("beta", "threshold"),
+_POSITIONAL = {name: op.params for name, op in ops.TABLE.items() if op.params}
+_POSITIONAL["masked_fill"] = ("mask", "value")  # canonicalised to where(mask, value, x)
+# Functions that make a constant: the value every element gets (None: the fill_value argument;
+# an ``empty`` holds any value, and a kernel that reads one may read zeros).
+_CONSTANTS = {
+    "zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0, "ones": 1.0, "ones_like": 1.0, "new_ones": 1.0,
+    "empty": 0.0, "empty_like": 0.0, "new_empty": 0.0, "full": None, "full_like": None, "new_full": None,
 }  # fmt: skip
+# The result of ``torch.max(x, dim)`` / ``torch.min(x, dim)`` (a (values, indices) pair) that a part picks.
+_MAX_PARTS = {
+    "max": {"values": "amax", 0: "amax", "indices": "argmax", 1: "argmax"},
+    "min": {"values": "amin", 0: "amin", "indices": "argmin", 1: "argmin"},
+}
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,8 @@ class Canonicalizer:
                 return self._make(node, "setitem", MUTATION, node.args[:1])
             if op_name(node) == "topk" and _holds_tensors(value):
                 return self._topk(node)
+            if op_name(node) in _MAX_PARTS and _holds_tensors(value):
+                return self._max_along(node)
             if _holds_tensors(value) and op_name(node) not in ("chunk", "split", "unbind", "getattr", "getitem"):
                 # topk, sort, max(dim): one kernel returning several tensors; no template yet
                 return self._make(node, op_name(node), UNSUPPORTED, _tensor_args(node))
@@ -197,17 +210,25 @@ class Canonicalizer:
             producer = self.cops.get(source)
             if part and producer and producer.op == "topk" and producer.kind == COMPUTE:
                 return self._make(node, part, UNIT_VIEW, (source,))  # free: picks one of its results
+            if producer and producer.op in ("max_along", "min_along") and which in _MAX_PARTS[op_name(source)]:
+                # max(x, dim).values is amax(x, dim), .indices argmax(x, dim): one op each
+                return self._make(node, _MAX_PARTS[op_name(source)][which], COMPUTE, producer.args, dict(producer.attrs))
             return self._make(node, "element", VIEW, (source,))  # no kernel of its own
         if name in _PAIR_VIEWS and self._aliases(node):
             return self._make(node, name, UNIT_VIEW, _tensor_args(node))
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
-        if value.dtype not in _KERNEL_DTYPES or (value.dtype.is_complex and not complex_ok):
+        index_ok = value.dtype == torch.int64 and ops.TABLE.get(name, None) and ops.TABLE[name].result == ops.INDEX_RESULT
+        if (value.dtype not in _KERNEL_DTYPES or (value.dtype.is_complex and not complex_ok)) and not index_ok:
             if not is_view:
                 return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
         if name.endswith("_") and not name.startswith("_") or node.kwargs.get("out") is not None:
             return self._make(node, name, MUTATION, _tensor_args(node))
-        name = _ALIASES.get(name, name) or name
+        name = _ALIASES.get(name, name)
+        if name in ("max", "min") and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+            name = {"max": "maximum", "min": "minimum"}[name]  # torch.max(a, b): elementwise
+        if name in _DROPOUTS and not _training(node):
+            return self._make(node, "identity", COMPUTE, (source,))  # dropout in eval mode
         if node.op == "call_method" and name in _TRANSPARENT_METHODS or name in ("contiguous", "clone"):
             return self._cast_or_copy(node)
         if name in _VIEW_METHODS or target is operator.getitem or name in ("chunk", "split"):
@@ -216,7 +237,15 @@ class Canonicalizer:
             return self._cat(node)
         if name == "gather":
             return self._gather(node)
-        if name in ELEMENTWISE or name in REDUCTIONS or name in ("softmax", "log_softmax"):
+        special = {
+            "stack": self._stack, "repeat_interleave": self._repeat_interleave, "masked_fill": self._masked_fill,
+            "layer_norm": self._layer_norm, "gelu": self._gelu,
+        }  # fmt: skip
+        if name in special:
+            return special[name](node)
+        if name in _CONSTANTS:
+            return self._constant(node, name)
+        if ops.kind(name) in (ops.POINTWISE, ops.REDUCTION, ops.NORMALIZATION):
             return self._compute(node, name)
         return self._make(node, name, UNSUPPORTED, _tensor_args(node))
 
@@ -277,7 +306,8 @@ class Canonicalizer:
         if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
             return self._make(node, "identity", COMPUTE, (src,))
         shape = self.static_shape(node)
-        if [s for s in shape if s != 1] == [s for s in self.static_shape(src) if s != 1] and out.numel() == inp.numel():
+        same_dims = [s for s in shape if s != 1] == [s for s in self.static_shape(src) if s != 1]
+        if same_dims and out.numel() == inp.numel() and _same_order(out, inp):
             return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
         if op_name(node) in ("expand", "expand_as"):
             return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
@@ -391,20 +421,105 @@ class Canonicalizer:
         if name == "softplus":
             return self._make(node, "softplus", COMPUTE, (node.args[0], params.get("beta", 1.0), params.get("threshold", 20.0)))
         dtype = params.get("dtype")
-        if dtype is not None and not (dtype in (torch.float32, torch.float) and name in ("softmax", "sum", "mean")):
+        if dtype is not None and not (
+            dtype == torch.float32 and name in ("sum", "mean")
+            or dtype in (torch.float32, torch.bfloat16, torch.float16) and name in ("softmax", "log_softmax")
+        ):
             return self._make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
-        # softmax / sum / mean with dtype=float32: computed in fp32, as a kernel computes anyway.
+        # sum / mean with dtype=float32: computed in fp32, as a kernel computes anyway; softmax
+        # with a dtype: of the input cast to it.
         dims = _normalize_dims(params.get("dim"), rank)
         if set(dims) & set(self.batch_dims(node.args[0])):
             return self._make(node, f"{name} over tokens", UNSUPPORTED, tuple(tensors))
         attrs = {"dim": dims}
         if dtype is not None:
-            attrs["dtype"] = torch.float32
+            attrs["dtype"] = dtype
         if name in REDUCTIONS:
             attrs["keepdim"] = bool(params.get("keepdim", False))
         elif len(dims) != 1:
             return self._make(node, name, UNSUPPORTED, tuple(tensors))
         return self._make(node, name, COMPUTE, (node.args[0],), attrs)
+
+    def _params(self, node, name) -> dict:
+        """The call's parameters after the input, by name (positional ones named per the table)."""
+        params = dict(zip(_POSITIONAL.get(name, ()), node.args[1:]))
+        params.update(node.kwargs)
+        return params
+
+    def _gelu(self, node):
+        approximate = self._params(node, "gelu").get("approximate", "none")
+        op = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+        if op is None:
+            return self._make(node, f"gelu[{approximate}]", UNSUPPORTED, _tensor_args(node))
+        return self._make(node, op, COMPUTE, (node.args[0],))
+
+    def _masked_fill(self, node):
+        """``x.masked_fill(mask, value)`` is ``where(mask, value, x)``."""
+        params = self._params(node, "masked_fill")
+        mask, value = params.get("mask"), params.get("value")
+        if not isinstance(mask, fx.Node) or not isinstance(value, (int, float, bool)):
+            return self._make(node, "masked_fill", UNSUPPORTED, _tensor_args(node))
+        return self._make(node, "where", COMPUTE, (mask, value, node.args[0]))
+
+    def _layer_norm(self, node):
+        """``F.layer_norm(x, (n,), weight, bias, eps)`` over the last (non-token) axis."""
+        params = self._params(node, "layer_norm")
+        x, shape = node.args[0], params.get("normalized_shape")
+        weight, bias, eps = params.get("weight"), params.get("bias"), params.get("eps", 1e-5)
+        rank = self.value(x).dim()
+        if (
+            not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 1 or rank - 1 in self.batch_dims(x)
+            or not all(w is None or isinstance(w, fx.Node) for w in (weight, bias)) or not isinstance(eps, (int, float))
+        ):  # fmt: skip
+            return self._make(node, "layer_norm", UNSUPPORTED, _tensor_args(node))
+        return self._make(node, "layer_norm", COMPUTE, (x, weight, bias), {"dim": (rank - 1,), "eps": float(eps)})
+
+    def _max_along(self, node):
+        """``torch.max(x, dim)`` / ``min``: a (values, indices) pair, read through its parts."""
+        name = op_name(node)
+        params = dict(zip(("input", "dim", "keepdim"), node.args))
+        params.update(node.kwargs)
+        x, dim = params.get("input"), params.get("dim")
+        src = self.value(x) if isinstance(x, fx.Node) else None
+        if (
+            not isinstance(src, torch.Tensor) or not src.dim() or not isinstance(dim, int)
+            or src.dtype not in (torch.float32, torch.bfloat16, torch.float16) or dim % src.dim() in self.batch_dims(x)
+        ):  # fmt: skip
+            return self._make(node, name, UNSUPPORTED, _tensor_args(node))
+        attrs = {"dim": (dim % src.dim(),), "keepdim": bool(params.get("keepdim", False))}
+        return self._make(node, f"{name}_along", META, (x,), attrs)  # no kernel: its parts are the ops
+
+    def _stack(self, node):
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        rank = self.value(node).dim()
+        tokens = self.batch_dims(node)
+        if not all(isinstance(p, fx.Node) for p in parts) or not isinstance(dim, int) or (tokens and dim % rank <= max(tokens)):
+            return self._make(node, "stack", UNSUPPORTED, tuple(p for p in parts if isinstance(p, fx.Node)))
+        return self._make(node, "stack", COMPUTE, tuple(parts), {"dim": dim % rank})
+
+    def _repeat_interleave(self, node):
+        params = self._params(node, "repeat_interleave")
+        x, repeats, dim = node.args[0], params.get("repeats"), params.get("dim")
+        rank = self.value(node).dim()
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or not isinstance(dim, int) or dim % rank in self.batch_dims(x):
+            return self._make(node, "repeat_interleave", UNSUPPORTED, _tensor_args(node))
+        return self._make(node, "repeat_interleave", COMPUTE, (x,), {"repeats": repeats, "dim": dim % rank})
+
+    def _constant(self, node, name):
+        if any(_writes_into(u, node) for u in node.users):
+            # A buffer written in place (``mask = zeros_like(s); mask.scatter_(...)``): its value
+            # changes after it is made, so no kernel may compute it and read it later.
+            if name in ("empty", "empty_like", "new_empty"):
+                return self._make(node, "empty", META)  # an allocation: no kernel, no launch
+            return self._make(node, f"{name} written in place", UNSUPPORTED)
+        value = _CONSTANTS[name]
+        if value is None:  # full(size, v), full_like(x, v), x.new_full(size, v)
+            at = 2 if name == "new_full" else 1
+            value = node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
+        if not isinstance(value, (int, float, bool)):
+            return self._make(node, name, UNSUPPORTED, _tensor_args(node))
+        return self._make(node, "full", COMPUTE, (), {"value": value})
 
     # --- rewrites of spelling variants -------------------------------------------------------
     def _rewrite(self, cop: COp) -> COp:
@@ -437,6 +552,30 @@ class Canonicalizer:
                 if n and abs(factor - n) <= 1e-9 * n and not set(inner.attr("dim")) & set(self.batch_dims(inner.args[0])):
                     return COp("mean", COMPUTE, inner.args, inner.attrs, cop.covers + inner.covers)
         return cop
+
+
+def _same_order(out: torch.Tensor, inp: torch.Tensor) -> bool:
+    """Does the view keep its input's elements in order (it only inserts or drops size-1
+    dims)? A transpose of a square matrix has the same sizes but not the same order."""
+    return [(s, t) for s, t in zip(out.shape, out.stride()) if s != 1] == [
+        (s, t) for s, t in zip(inp.shape, inp.stride()) if s != 1
+    ]
+
+
+def _training(node: fx.Node) -> bool:
+    """A dropout call's ``training`` flag (``F.dropout(x, p, training, inplace)``; default True)."""
+    if "training" in node.kwargs:
+        return bool(node.kwargs["training"])
+    if "train" in node.kwargs:  # torch.dropout(input, p, train)
+        return bool(node.kwargs["train"])
+    return bool(node.args[2]) if len(node.args) > 2 else node.op == "call_function" and node.target is not torch.dropout
+
+
+def _writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """Does ``user`` write into ``node`` in place (``node[i] = v``, ``node.copy_(v)``)?"""
+    if user.target is operator.setitem or (user.op == "call_method" and str(user.target).endswith("_")):
+        return bool(user.args) and user.args[0] is node
+    return False
 
 
 def _holds_tensors(value) -> bool:

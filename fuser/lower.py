@@ -8,6 +8,9 @@ a power of two. Inputs are loaded through their runtime strides
 (weights) are loaded whole and broadcast. Every op computes in fp32 and rounds to the dtype
 the eager op returns, so bf16 rounding happens exactly where PyTorch rounds.
 
+How each op lowers comes from the op table (fuser/ops.py): a pointwise op's Triton expression,
+or the ``lower_<name>`` method of :class:`_Lowerer` that its entry names.
+
 The result is plain data (:class:`RowProgram`) that the Jinja templates render.
 """
 
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fuser.canon import COMPUTE, REDUCTIONS, UNIT_VIEW, COp
+from fuser import ops
+from fuser.canon import COMPUTE, UNIT_VIEW, COp
 from fuser.trace import Traced
 
 
@@ -37,33 +41,20 @@ TL_DTYPES = {
     torch.float8_e4m3fn: "tl.float8e4nv", torch.bool: "tl.int1",
 }  # fmt: skip
 
-_UNARY = {
-    "neg": "-{a}", "abs": "tl.abs({a})", "exp": "tl.exp({a})", "exp2": "tl.exp2({a})",
-    "log": "tl.log({a})", "log2": "tl.log2({a})", "sqrt": "tl.sqrt_rn({a})",
-    "rsqrt": "tl.rsqrt({a})", "reciprocal": "1.0 / {a}", "sigmoid": "tl.sigmoid({a})",
-    "silu": "{a} * tl.sigmoid({a})", "relu": "tl.maximum({a}, 0.0)", "sin": "tl.sin({a})",
-    "cos": "tl.cos({a})", "square": "{a} * {a}", "erf": "tl.erf({a})", "floor": "tl.floor({a})",
-    "ceil": "tl.ceil({a})", "copy": "{a}",
-}  # fmt: skip
-_BINARY = {
-    "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}",
-    "maximum": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    "minimum": "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    "eq": "{a} == {b}", "ne": "{a} != {b}", "lt": "{a} < {b}", "le": "{a} <= {b}",
-    "gt": "{a} > {b}", "ge": "{a} >= {b}",
-}  # fmt: skip
+# The Triton expression of every pointwise op (fuser.ops), by name: one dict, which lowering reads
+# at run time (so a test can swap one op's math). _UNARY and _BINARY name the same dict.
+_EXPRESSIONS = {name: op.triton for name, op in ops.TABLE.items() if op.kind == ops.POINTWISE and op.triton}
+_UNARY = _BINARY = _EXPRESSIONS
 
 # Ops that need the whole block of the last axis in one program.
-_WHOLE_BLOCK_OPS = {
-    "view_as_complex", "view_as_real", "conj", "cat", "gather_rows", "slice", "topk", "topk_values",
-    "topk_indices", "gather_last",
-}  # fmt: skip
+_WHOLE_BLOCK_OPS = ops.WHOLE_BLOCK
 # Integer values a row program carries: top-k indices and the indices a gather reads.
 INDEX_DTYPES = {torch.int64: "tl.int64", torch.int32: "tl.int32"}
 # Most picks a top-k is unrolled into.
 TOPK_LIMIT = 64
 
-SUPPORTED_OPS = _WHOLE_BLOCK_OPS | set(_UNARY) | set(_BINARY) | REDUCTIONS | {"clamp", "softplus", "where", "cast", "softmax", "reshape", "expand"}
+# Every op a row program computes: those of the table.
+SUPPORTED_OPS = frozenset(ops.TABLE)
 
 
 def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) -> str:
@@ -143,6 +134,7 @@ class RowProgram:
     block_last: int = 1  # its elements per program
     num_warps: int = 4
     numel: int = 1  # padded elements of the largest block
+    helpers: tuple[str, ...] = ()  # jit functions the body calls (templates/_row_program.py.jinja)
 
     @property
     def row_source(self) -> str:
@@ -188,6 +180,7 @@ class _Lowerer:
         self.names: dict[fx.Node, str] = {}
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
+        self.helpers: set[str] = set()
         # Inputs read only through a row gather (a table and its indices) are never loaded whole.
         self.gathered = {
             n for n in self.inputs
@@ -229,7 +222,8 @@ class _Lowerer:
 
     def _index_only(self, node: fx.Node) -> bool:
         """An integer value the chain only uses as indices: top-k's, or a gather's index."""
-        if node in self.nodes and self.cops[node].op == "topk_indices":
+        entry = ops.TABLE.get(self.cops[node].op) if node in self.nodes else None
+        if entry and entry.result == ops.INDEX_RESULT:
             return True
         uses = [u for u in node.users if u in self.nodes]
         return bool(uses) and all(self.cops[u].op == "gather_last" and self.cops[u].args[1] is node for u in uses)
@@ -293,9 +287,10 @@ class _Lowerer:
         shape, src = self.block_shape(node), self.block_shape(arg)
         if mine is None:
             return None
-        if cop.op in REDUCTIONS or cop.op == "softmax":
+        kind = ops.kind(cop.op)
+        if kind in (ops.REDUCTION, ops.NORMALIZATION) and arg is cop.args[0]:
             reduced = self._block_axes(cop)
-            if cop.op == "softmax" or cop.attr("keepdim"):
+            if kind == ops.NORMALIZATION or cop.attr("keepdim"):
                 k = mine
             else:
                 kept = [i for i in range(len(src)) if i not in reduced]
@@ -305,6 +300,13 @@ class _Lowerer:
             before = sum(1 for s in shape[:mine] if s != 1)
             positions = [i for i, s in enumerate(src) if s != 1]
             return positions[before] if before < len(positions) and src[positions[before]] == size else "conflict"
+        if cop.op in ("stack", "repeat_interleave"):
+            # The axis they make (or repeat along) is never tiled; a stack's others shift past it.
+            axis = self._block_axis(node, cop.attr("dim"))
+            if mine == axis:
+                return "conflict"
+            k = mine - 1 if cop.op == "stack" and mine > axis else mine
+            return None if src[k] == 1 else k if src[k] == size else "conflict"
         if cop.op in _WHOLE_BLOCK_OPS or _is_complex(self.traced.value(node)):
             # They work on the last axis (or pair it up); the leading axes line up from the left.
             if mine >= len(shape) - 1 or mine >= len(src) - 1:
@@ -319,6 +321,10 @@ class _Lowerer:
         src = cop.args[0]
         offset = 1 if self.traced.batch_dims(src) else 0
         return [d - offset for d in cop.attr("dim")]
+
+    def _block_axis(self, node: fx.Node, dim: int) -> int:
+        """Block axis of ``node``'s (full-rank) dim ``dim``."""
+        return dim - (1 if self.traced.batch_dims(node) else 0)
 
     # --- index and mask expressions ----------------------------------------------------------
     def is_tiled(self, node: fx.Node, axis: int) -> bool:
@@ -451,14 +457,15 @@ class _Lowerer:
     def lower_node(self, node: fx.Node):
         cop = self.cops[node]
         op, args = cop.op, cop.args
-        if op not in SUPPORTED_OPS:
+        entry = ops.TABLE.get(op)
+        if entry is None:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
         if op == "topk":
             return self.topk(node, cop)
         for arg in args:  # a concatenation read by anything but a cast or a store: one block
             if op != "cast" and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
                 self.names[arg] = self.joined(arg)
-        special = op in _WHOLE_BLOCK_OPS or any(
+        special = entry.lowering == "pairs_and_parts" or any(
             isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
         )
         if special:
@@ -467,32 +474,58 @@ class _Lowerer:
             return  # built inside the sum that reads it
         if args and args[0] in self.contracted:
             return self.reduce(node, cop)
-        a = self.f32(args[0]) if args else None
-        if op in _UNARY:
-            return self.emit(node, _UNARY[op].format(a=a))
-        if op in _BINARY:
-            return self.emit(node, _BINARY[op].format(a=a, b=self.f32(args[1])))
-        if op == "where":
-            return self.emit(node, f"tl.where({self.f32(args[0])}, {self.f32(args[1])}, {self.f32(args[2])})")
-        if op == "cast":
-            return self.emit(node, a)
-        if op == "clamp":
-            expr, low, high = a, args[1], args[2]
-            if low is not None:
-                expr = f"tl.maximum({expr}, {self.f32(low)}, propagate_nan=tl.PropagateNan.ALL)"
-            if high is not None:
-                expr = f"tl.minimum({expr}, {self.f32(high)}, propagate_nan=tl.PropagateNan.ALL)"
-            return self.emit(node, expr)
-        if op == "softplus":
-            beta, threshold = float(args[1]), float(args[2])
-            scaled = f"({a} * {beta!r})"
-            soft = f"tl.log(1.0 + tl.exp({scaled})) / {beta!r}"
-            return self.emit(node, f"tl.where({scaled} > {threshold!r}, {a}, {soft})")
-        if op in ("reshape", "expand"):
-            return self.emit(node, self.layout(node, cop, self.names[args[0]]), layout_only=True)
-        if op in REDUCTIONS or op == "softmax":
-            return self.reduce(node, cop)
-        raise LoweringError(f"`{node.name}`: no lowering for {op}")
+        if op in _EXPRESSIONS:
+            self.helpers.update(entry.helpers)
+            operands = [None if a is None else self.f32(a) for a in args]
+            return self.emit(node, ops.render(_EXPRESSIONS[op], *operands))
+        return getattr(self, f"lower_{entry.lowering}")(node, cop)
+
+    def lower_cast(self, node: fx.Node, cop: COp):
+        src = cop.args[0]
+        value, target = self.f32(src), self.traced.value(node).dtype
+        if target == torch.bool and self.dtypes[src] != torch.bool:
+            value = f"({value} != 0)"  # NaN included, as PyTorch
+        elif self.dtypes[src] == torch.bool and target != torch.bool:
+            value = f"{value}.to(tl.float32)"
+        return self.emit(node, value)
+
+    def lower_layout(self, node: fx.Node, cop: COp):
+        return self.emit(node, self.layout(node, cop, self.names[cop.args[0]]), layout_only=True)
+
+    def lower_full(self, node: fx.Node, cop: COp):
+        """A constant: a block of one literal, only where an op reads it or it is stored."""
+        shape = list(self.padded(node))
+        if self.traced.value(node).dtype == torch.bool:
+            return self.emit(node, f"tl.full({shape}, {int(bool(cop.attr('value')))}, tl.int1)")
+        return self.emit(node, f"tl.full({shape}, {self.f32(float(cop.attr('value')))}, tl.float32)")
+
+    def lower_stack(self, node: fx.Node, cop: COp):
+        """``torch.stack(parts, dim)``: each part put along a new axis, one select per part."""
+        axis = self._block_axis(node, cop.attr("dim"))
+        rank = len(self.padded(node))
+        which = _expand(f"tl.arange(0, {pow2(len(cop.args))})", axis, rank)
+        parts = [f"tl.expand_dims({self.f32(p)}, {axis})" for p in cop.args]
+        expr = parts[-1]
+        for i in reversed(range(len(parts) - 1)):
+            expr = f"tl.where({which} == {i}, {parts[i]}, {expr})"
+        return self.emit(node, expr)
+
+    def lower_repeat_interleave(self, node: fx.Node, cop: COp):
+        """``src.repeat_interleave(r, dim)``: element j along the axis is the source's j // r,
+        picked by a one-hot sum over the source's axis (Triton cannot index a block)."""
+        src = cop.args[0]
+        axis, repeats = self._block_axis(node, cop.attr("dim")), cop.attr("repeats")
+        shape, out = self.padded(src), self.padded(node)
+        if math.prod(shape) * out[axis] > _ONE_HOT_LIMIT:
+            raise LoweringError(f"`{node.name}`: repeating a {shape} block is too large to do in registers")
+        rank = len(shape)
+        source = _expand(f"tl.arange(0, {shape[axis]})", axis, rank + 1)
+        wanted = _expand(f"tl.arange(0, {out[axis]})", axis + 1, rank + 1)
+        spread = f"tl.expand_dims({self.f32(src)}, {axis + 1})"
+        expr = _selected(f"{source} == {wanted} // {repeats}", spread, axis)
+        if self.traced.value(node).dtype == torch.bool:
+            expr = f"({expr}) != 0"
+        return self.emit(node, expr)
 
     def _contractions(self) -> set[fx.Node]:
         """Products only summed (or averaged) over one short axis, too large to build whole:
@@ -743,24 +776,19 @@ class _Lowerer:
         gathered = Operand(t.name, table.name, t.shape[1:], t.dtype, True)
         self._emit_load(node, name, gathered, f"{name}_idx * {t.name}_stride_0", first_stride=1)
 
+    def _reduced_axes(self, node: fx.Node, cop: COp) -> list[int]:
+        """The block axes ``cop`` combines values along (never the tokens)."""
+        dims = cop.attr("dim")
+        if set(dims) & set(self.traced.batch_dims(cop.args[0])):
+            raise LoweringError(f"`{node.name}` reduces across tokens (dims {dims})")
+        return self._block_axes(cop)
+
     def reduce(self, node: fx.Node, cop: COp):
         src = cop.args[0]
-        dims = cop.attr("dim")
-        if set(dims) & set(self.traced.batch_dims(src)):
-            raise LoweringError(f"`{node.name}` reduces across tokens (dims {dims})")
+        axes = self._reduced_axes(node, cop)
         if src in self.contracted:
             return self.contract(node, cop)
-        axes = self._block_axes(cop)
         shape = self.block_shape(src)
-        if cop.op == "softmax":
-            axis = axes[0]
-            m = self.masked(src, "float('-inf')")
-            self.lines.append(f"_max = tl.expand_dims(tl.max({m}, axis={axis}), {axis})")
-            self.lines.append(f"_exp = tl.exp({self.f32(src)} - _max)")
-            mask = self.mask(src)
-            if mask:
-                self.lines.append(f"_exp = tl.where({mask}, _exp, 0.0)")
-            return self.emit(node, f"_exp / tl.expand_dims(tl.sum(_exp, axis={axis}), {axis})")
         fill = {"sum": "0.0", "mean": "0.0", "amax": "float('-inf')", "amin": "float('inf')"}[cop.op]
         fn = {"sum": "tl.sum", "mean": "tl.sum", "amax": "tl.max", "amin": "tl.min"}[cop.op]
         expr = self.masked(src, fill)
@@ -772,6 +800,66 @@ class _Lowerer:
             count = math.prod(shape[a] for a in axes)
             expr = f"{expr} / {float(count)!r}"
         return self.emit(node, expr)
+
+    lower_reduce = reduce
+    lower_topk = topk  # (lower_node calls it first: its input is never a joined block)
+
+    def lower_softmax(self, node: fx.Node, cop: COp):
+        """softmax and log_softmax; with ``dtype=``, of the input cast to that dtype first."""
+        src = cop.args[0]
+        (axis,) = self._reduced_axes(node, cop)
+        x, dtype = self.f32(src), cop.attr("dtype")
+        if dtype not in (None, torch.float32, self.dtypes[src]):
+            self.lines.append(f"_x = ({rounded(x, dtype)}).to(tl.float32)  # {node.name}: in {dtype}")
+            x = "_x"
+        mask = self.mask(src)
+        highest = f"tl.where({mask}, {x}, float('-inf'))" if mask else x
+        self.lines.append(f"_max = tl.expand_dims(tl.max({highest}, axis={axis}), {axis})")
+        self.lines.append(f"_exp = tl.exp({x} - _max)")
+        if mask:
+            self.lines.append(f"_exp = tl.where({mask}, _exp, 0.0)")
+        total = f"tl.expand_dims(tl.sum(_exp, axis={axis}), {axis})"
+        if cop.op == "log_softmax":
+            return self.emit(node, f"{x} - _max - tl.log({total})")
+        return self.emit(node, f"_exp / {total}")
+
+    def lower_layer_norm(self, node: fx.Node, cop: COp):
+        """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis (biased variance,
+        from the centred values, as PyTorch)."""
+        src, weight, bias = cop.args
+        (axis,) = self._reduced_axes(node, cop)
+        count = float(self.block_shape(src)[axis])
+        mask = self.mask(src)
+        self.lines.append(f"_mean = tl.expand_dims(tl.sum({self.masked(src, '0.0')}, axis={axis}), {axis}) / {count!r}  # {node.name}")
+        centred = f"{self.f32(src)} - _mean"
+        self.lines.append(f"_centred = {f'tl.where({mask}, {centred}, 0.0)' if mask else centred}")
+        self.lines.append(f"_var = tl.expand_dims(tl.sum(_centred * _centred, axis={axis}), {axis}) / {count!r}")
+        expr = f"_centred * tl.rsqrt(_var + {float(cop.attr('eps'))!r})"
+        if weight is not None:
+            expr = f"{expr} * {self.f32(weight)}"
+        if bias is not None:
+            expr = f"{expr} + {self.f32(bias)}"
+        return self.emit(node, expr)
+
+    def lower_argmax(self, node: fx.Node, cop: COp):
+        """argmax / argmin: the lowest index of the best value, NaN ranking first (as PyTorch)."""
+        src = cop.args[0]
+        (axis,) = self._reduced_axes(node, cop)
+        largest = cop.op == "argmax"
+        shape = self.padded(src)
+        worst, best = ("float('-inf')", "tl.max") if largest else ("float('inf')", "tl.min")
+        nan_rank = "float('inf')" if largest else "float('-inf')"
+        x, mask = self.f32(src), self.mask(src)
+        name = self.fresh(node, "arg")
+        ranked = f"tl.where({x} != {x}, {nan_rank}, {x})"
+        self.lines.append(f"{name}_rank = {f'tl.where({mask}, {ranked}, {worst})' if mask else ranked}  # {node.name}")
+        self.lines.append(f"{name}_best = tl.expand_dims({best}({name}_rank, axis={axis}), {axis})")
+        cols = self.axis_index(src, axis, len(shape))
+        index = f"tl.min(tl.where({name}_rank == {name}_best, {cols}, {shape[axis]}), axis={axis})"
+        if cop.attr("keepdim"):
+            index = f"tl.expand_dims({index}, {axis})"
+        self.lines.append(f"{name} = ({index}).to(tl.int64)")
+        self.dtypes[node] = torch.int64
 
     # --- entry point -------------------------------------------------------------------------
     def lower(self) -> RowProgram:
@@ -802,7 +890,8 @@ class _Lowerer:
         for operand, node in zip(outs, self.outputs):
             self.store(operand, node)
         warps = min(16, max(1, pow2(numel // 512)))
-        return RowProgram(ins, outs, self.lines, self.tiled, self.last, self.block_last, warps, numel)
+        helpers = tuple(sorted(self.helpers))
+        return RowProgram(ins, outs, self.lines, self.tiled, self.last, self.block_last, warps, numel, helpers)
 
     def _operand(self, node: fx.Node, name: str) -> Operand:
         op = operand(self.traced, node, name)

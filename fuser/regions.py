@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
+from fuser import ops
 from fuser.canon import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
-from fuser.lower import SUPPORTED_OPS
 from fuser.match import Match, Rejection
 
 #: Templates whose kernel body is written by hand from the pattern's parameters.
@@ -65,7 +65,8 @@ class Region:
 
 
 def fusible(cop: COp) -> bool:
-    return cop.kind in (COMPUTE, UNIT_VIEW) and cop.op != "identity" and cop.op in SUPPORTED_OPS
+    """Can the op join a fused kernel (a computation or free view that the op table lowers)?"""
+    return cop.kind in (COMPUTE, UNIT_VIEW) and cop.op != "identity" and ops.lowers(cop.op)
 
 
 class RegionBuilder:
@@ -395,7 +396,9 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
         )
         users = builder.users_outside(node, set())
         prologue = any(u in covered for u in users)
-        if epilogue or prologue:
+        # A constant (``x.new_zeros(shape)``) reads no value: a kernel of its rows may write it.
+        constant = builder.cops[node].op == "full"
+        if epilogue or prologue or constant:
             covered.add(node)
             grown = True
     if not grown:

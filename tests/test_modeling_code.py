@@ -251,3 +251,20 @@ def test_topk_picks_may_differ_only_between_equal_scores():
     eager = torch.tensor([[2]])
     assert _near_tie(indices, torch.tensor([[5]]), eager, values, cops, torch.float32)
     assert not _near_tie(indices, torch.tensor([[1]]), eager, values, cops, torch.float32)
+
+
+class TransposedMix(nn.Module):
+    """transformers' DeepSeek-V4 mHC: a square matrix per token, normalised, read transposed."""
+
+    def forward(self, logits, streams):
+        comb = torch.softmax(logits, dim=-1) + 1e-6
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + 1e-6)
+        return torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transposed_view_of_a_fused_square_matrix_keeps_its_order(dtype):
+    logits, streams = torch.randn(3, 4, 4), torch.randn(3, 4, 8, dtype=dtype)
+    result = fuser.check(TransposedMix(), (logits, streams))
+    assert result.ok, result.problems
+    assert result.report.chains and not result.report.unfused, result.report.text()

@@ -328,43 +328,43 @@ def test_an_empty_dimension_is_refused(tmp_path):
     assert "empty dimension" in message
 
 
-class TanhScaled(nn.Module):
+class AtanScaled(nn.Module):
     def forward(self, x):
         xf = x.float()
-        return (torch.tanh(xf * 2.0) * xf).to(x.dtype)
+        return (torch.atan(xf * 2.0) * xf).to(x.dtype)
 
 
-class OnlyTanh(nn.Module):
+class OnlyAtan(nn.Module):
     def forward(self, x):
-        return torch.tanh(x) * 3.0
+        return torch.atan(x) * 3.0
 
 
-class LayerNormScaled(nn.Module):
+class CumsumScaled(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 32).to(torch.bfloat16))
 
     def forward(self, x):
-        return (F.layer_norm(x.float(), (x.shape[-1],)) * self.weight).to(x.dtype)
+        return (torch.cumsum(x.float(), -1) * self.weight).to(x.dtype)
 
 
 UNLOWERED = {
-    "tanh_scaled": (TanhScaled, "tanh", """
+    "atan_scaled": (AtanScaled, "atan", """
         def reference(x, scale=Param(2.0)):
             xf = x.float()
-            return (torch.tanh(xf * scale) * xf).to(x.dtype)
+            return (torch.atan(xf * scale) * xf).to(x.dtype)
 
         PATTERN = dict(template="pointwise", inputs=dict(x=tensor("T, N", "bfloat16 float32")), example=dict(N=32))
     """),
-    "only_tanh": (OnlyTanh, "tanh", """
+    "only_atan": (OnlyAtan, "atan", """
         def reference(x):
-            return torch.tanh(x)
+            return torch.atan(x)
 
         PATTERN = dict(template="pointwise", inputs=dict(x=tensor("T, N", "bfloat16 float32")))
     """),
-    "layer_norm_scaled": (LayerNormScaled, "layer_norm", """
+    "cumsum_scaled": (CumsumScaled, "cumsum", """
         def reference(x, weight):
-            return (F.layer_norm(x.float(), (x.shape[-1],)) * weight).to(x.dtype)
+            return (torch.cumsum(x.float(), -1) * weight).to(x.dtype)
 
         PATTERN = dict(
             template="row_reduce",
@@ -400,7 +400,7 @@ def test_a_pattern_with_an_op_no_template_lowers_is_rejected(tmp_path, name):
 
 def test_a_user_pattern_that_matches_nothing_says_so(tmp_path):
     path = write(tmp_path, "scaled_sigmoid", USER_PATTERN)
-    report = fuser.explain(TanhScaled(), (torch.randn(5, 32).to(torch.bfloat16),), patterns=[path])
+    report = fuser.explain(AtanScaled(), (torch.randn(5, 32).to(torch.bfloat16),), patterns=[path])
     said = [r for r in report.rejected if r.category == "no match"]
     assert [r.pattern for r in said] == ["scaled_sigmoid"], report.text()  # not the built-ins
     assert "matched no chain in this module" in said[0].reason

@@ -55,14 +55,14 @@ def write(tmp_path, name, source):
     return path
 
 
-TANH = """\
+ATAN = """\
     import torch
     from fuser.pattern import tensor
 
 
     def reference(x):
         xf = x.float()
-        return (torch.tanh(xf) * xf).to(x.dtype)
+        return (torch.atan(xf) * xf).to(x.dtype)
 
 
     PATTERN = dict(template="pointwise", inputs=dict(x=tensor("T, N", "float32")))
@@ -71,8 +71,8 @@ TANH = """\
 
 def test_run_pattern_file_fails_a_pattern_whose_kernel_cannot_be_built(tmp_path):
     out = io.StringIO()
-    assert run_pattern_file(str(write(tmp_path, "tanh_gate", TANH)), out) == 1
-    assert "FAIL" in out.getvalue() and "[lowering]" in out.getvalue() and "tanh" in out.getvalue()
+    assert run_pattern_file(str(write(tmp_path, "atan_gate", ATAN)), out) == 1
+    assert "FAIL" in out.getvalue() and "[lowering]" in out.getvalue() and "atan" in out.getvalue()
 
 
 def test_run_pattern_file_fails_a_kernel_that_computes_other_math(tmp_path, monkeypatch):
@@ -87,7 +87,7 @@ def test_run_pattern_file_fails_a_kernel_that_computes_other_math(tmp_path, monk
 
 
 def test_run_pattern_file_refuses_a_malformed_file(tmp_path):
-    bad = write(tmp_path, "bad_template", TANH.replace('template="pointwise"', 'template="nope"'))
+    bad = write(tmp_path, "bad_template", ATAN.replace('template="pointwise"', 'template="nope"'))
     out = io.StringIO()
     assert run_pattern_file(str(bad), out) == 2
     assert f"{bad.resolve()}:" in out.getvalue() and "nope" in out.getvalue()
