@@ -385,8 +385,9 @@ def _parameter_only(traced: Traced, cops, covered: set) -> dict[fx.Node, tuple[s
     for node in traced.graph.nodes:
         cop = cops.get(node)
         if node in from_parameters and node not in covered and cop.kind == COMPUTE and cop.op != "identity":
-            # The outermost such value only: what it is computed from is then unused.
-            if any(u not in from_parameters for u in node.users):
+            # The outermost such value only (what it is computed from is then unused), or one
+            # a kernel reads (Gemma's `1.0 + weight.float()`: the add joins the norm's kernel).
+            if any(u not in from_parameters or u in covered for u in node.users):
                 chosen[node] = (f"{CONSTANT_PREFIX}{len(chosen)}", traced.value(node).detach().clone())
     return chosen
 

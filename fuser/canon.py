@@ -91,11 +91,12 @@ _TRANSPARENT_METHODS = {"contiguous", "detach", "clone"} | _CAST_METHODS
 # Positional parameter names after the input, per canonical op (method and torch.* agree).
 _POSITIONAL = {name: op.params for name, op in ops.TABLE.items() if op.params}
 _POSITIONAL["masked_fill"] = ("mask", "value")  # canonicalised to where(mask, value, x)
-# Functions that make a constant: the value every element gets (None: the fill_value argument;
-# an ``empty`` holds any value, and a kernel that reads one may read zeros).
+# Functions that make a constant: the value every element gets (None: the fill_value argument).
+# Allocations: undefined contents until written (often through a view, `k[..., :d].copy_(...)`).
+_EMPTIES = {"empty", "empty_like", "new_empty"}
 _CONSTANTS = {
     "zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0, "ones": 1.0, "ones_like": 1.0, "new_ones": 1.0,
-    "empty": 0.0, "empty_like": 0.0, "new_empty": 0.0, "full": None, "full_like": None, "new_full": None,
+    "full": None, "full_like": None, "new_full": None,
 }  # fmt: skip
 # The result of ``torch.max(x, dim)`` / ``torch.min(x, dim)`` (a (values, indices) pair) that a part picks.
 _MAX_PARTS = {
@@ -216,6 +217,8 @@ class Canonicalizer:
             return self._make(node, "element", VIEW, (source,))  # no kernel of its own
         if name in _PAIR_VIEWS and self._aliases(node):
             return self._make(node, name, UNIT_VIEW, _tensor_args(node))
+        if name in _EMPTIES:
+            return self._make(node, "empty", META)  # an allocation, of any dtype: no kernel, no launch
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
         index_ok = value.dtype == torch.int64 and ops.TABLE.get(name, None) and ops.TABLE[name].result == ops.INDEX_RESULT
@@ -510,8 +513,6 @@ class Canonicalizer:
         if any(_writes_into(u, node) for u in node.users):
             # A buffer written in place (``mask = zeros_like(s); mask.scatter_(...)``): its value
             # changes after it is made, so no kernel may compute it and read it later.
-            if name in ("empty", "empty_like", "new_empty"):
-                return self._make(node, "empty", META)  # an allocation: no kernel, no launch
             return self._make(node, f"{name} written in place", UNSUPPORTED)
         value = _CONSTANTS[name]
         if value is None:  # full(size, v), full_like(x, v), x.new_full(size, v)
