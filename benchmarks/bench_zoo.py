@@ -12,8 +12,8 @@ benchmarks/results/zoo/<layer>.json`` draws one layer.
 import argparse
 import json
 import os
+import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,24 +70,31 @@ def summary(results: dict[str, dict]) -> tuple[dict, str]:
     return {"rows": rows}, "\n".join(lines) + "\n"
 
 
+def bench_one(name: str, tokens: tuple[int, ...]) -> None:
+    result = bench.run(zoo.FACTORIES[name], f"examples/zoo/layers.py:{name}", tokens)
+    bench.write(result, OUT / "zoo", name)
+    print(result.markdown())
+
+
 if __name__ == "__main__":
     os.chdir(ROOT)
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", default=",".join(zoo.FACTORIES), help="zoo factories, comma-separated")
     parser.add_argument("--tokens", default="1,8,128,512")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # one layer, in this process
     args = parser.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
     (OUT / "zoo").mkdir(parents=True, exist_ok=True)
+    if args.one:
+        bench_one(args.one, tokens)
+        sys.exit(0)
+    # One process per layer: a fresh torch.compile cache (layers share transformers'
+    # GradientCheckpointingLayer.__call__, so their compiles would count against one recompile
+    # limit and the later layers would silently run eager) and the GPU memory of one layer only.
     for name in args.layers.split(","):
-        factory = zoo.FACTORIES[name]
-        try:
-            result = bench.run(factory, f"examples/zoo/layers.py:{name}", tokens)
-        except Exception:  # noqa: BLE001 - one layer failing must not lose the others' results
-            traceback.print_exc()
-            print(f"{name}: FAILED")
-            continue
-        bench.write(result, OUT / "zoo", name)
-        print(result.markdown())
+        proc = subprocess.run([sys.executable, __file__, "--one", name, "--tokens", args.tokens], cwd=ROOT)
+        if proc.returncode:
+            print(f"{name}: FAILED (exit {proc.returncode})")
     results = {p.stem: json.loads(p.read_text()) for p in sorted((OUT / "zoo").glob("*.json"))}
     data, text = summary(results)
     (OUT / "zoo.json").write_text(json.dumps(data, indent=1) + "\n")
