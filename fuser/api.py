@@ -74,13 +74,15 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
 
 
 def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]:
-    """Every node's eager value on the example inputs, cloned when produced (before any write)."""
+    """Every node's eager value on the example inputs, cloned when produced (before any write);
+    parameters as they are (the forward never writes them, and experts' weights are large)."""
     values: dict[fx.Node, Any] = {}
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
             result = super().run_node(n)
-            values[n] = result.clone() if isinstance(result, torch.Tensor) else result
+            fresh = isinstance(result, torch.Tensor) and not isinstance(result, torch.nn.Parameter)
+            values[n] = result.clone() if fresh else result
             return result
 
     gm = fx.GraphModule(module, traced.graph)

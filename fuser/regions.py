@@ -159,9 +159,15 @@ class RegionBuilder:
         return [n for n in nodes if not self.view_of_input(n)]
 
     def view_of_input(self, node: fx.Node) -> bool:
-        """A reshape of a graph input or of a heavy op's result: a view no kernel needs to take."""
+        """A reshape of a graph input or of a heavy op's result (or of a view of one: q_proj's
+        output viewed as heads, then transposed): a view no kernel needs to take."""
         cop = self.cops[node]
-        return cop.op == "reshape" and isinstance(cop.args[0], fx.Node) and self.cops[cop.args[0]].kind in (INPUT, HEAVY)
+        if cop.op != "reshape":
+            return False
+        source = cop.args[0]
+        while isinstance(source, fx.Node) and (self.cops[source].kind == VIEW or self.cops[source].op == "reshape"):
+            source = self.cops[source].args[0]
+        return isinstance(source, fx.Node) and self.cops[source].kind in (INPUT, HEAVY)
 
     def drop_view_outputs(self, region: "Region") -> "Region":
         """An output that only reshapes another output stays in the graph as a view of it (when
@@ -379,31 +385,39 @@ def _alias_classes(graph: fx.Graph, cops: dict[fx.Node, COp]) -> dict[fx.Node, f
 def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) -> Region | None:
     """``region`` with the unfused ops next to it pulled in, or None if none can be.
 
-    An op joins when it only reads the region's values (and graph inputs) — an epilogue, it
-    becomes an extra output — or when the region reads it — a prologue, an extra output too
-    when others read it as well (a residual add read by the next norm and the next residual:
-    one kernel writes the sum and the norm).
+    An op joins when it reads the region's values and otherwise only values that exist already
+    (inputs, a heavy op's result, another kernel's output) — an epilogue, it becomes an extra
+    output (Gemma's last residual add after its post-feedforward norm) — or when the region
+    reads it — a prologue, an extra output too when others read it as well (a residual add read
+    by the next norm and the next residual: one kernel writes the sum and the norm). Each op
+    joins only if the kernel still has a place to run with it.
     """
     if region.template in PARAM_TEMPLATES:
         return None
-    covered, grown = set(region.covered), False
+    pending = set(leftovers)
+    wider = None
     for node in leftovers:
+        current = wider or region
+        covered = current.covered
         if node in covered or builder.view_of_input(node):
             continue
-        args = [a for a in builder.args_of(node)]
-        epilogue = any(a in covered for a in args) and all(
-            a in covered or a in region.inputs or builder.cops[a].kind == INPUT for a in args
-        )
-        users = builder.users_outside(node, set())
-        prologue = any(u in covered for u in users)
+        args = builder.args_of(node)
+        epilogue = any(a in covered for a in args) and all(a in covered or a not in pending for a in args)
+        prologue = any(u in covered for u in builder.users_outside(node, set()))
         # A constant (``x.new_zeros(shape)``) reads no value: a kernel of its rows may write it.
         constant = builder.cops[node].op == "full"
         if epilogue or prologue or constant:
-            covered.add(node)
-            grown = True
-    if not grown:
-        return None
-    nodes = sorted(set(region.nodes) | (covered - region.covered), key=builder.order.get)
+            candidate = _grown(builder, region, current, node)
+            if candidate is not None:
+                wider = candidate
+                pending.discard(node)
+    return wider
+
+
+def _grown(builder: RegionBuilder, region: Region, current: Region, node: fx.Node) -> Region | None:
+    """``current`` (``region`` grown so far) with ``node`` added, placed; None if it has no place."""
+    covered = current.covered | {node}
+    nodes = sorted(set(current.nodes) | {node}, key=builder.order.get)
     inputs, outputs = builder.boundary(nodes)
     if region.match:  # the pattern's outputs first, in its order; a value nobody reads now is not written
         outputs = [o for o in region.outputs if o in outputs] + [o for o in outputs if o not in region.outputs]

@@ -14,11 +14,11 @@ import fuser
 from examples.zoo import layers as zoo
 
 # transformers' grouped_mm experts (integrations/moe.py): sorting the token-expert pairs by
-# expert, the expert offsets (histc + cumsum), the gathers by the sort's permutation and the
-# scatter that inverts it, and the routing-weight multiply left alone between the down GEMM
-# and a gather: 12 launches.
+# expert, the expert offsets (histc of the sorted ids, cast first, + cumsum), the gathers by
+# the sort's permutation and the scatter (arange + setitem) that inverts it, and the
+# routing-weight multiply left alone between the down GEMM and a gather: 11 launches.
 ROUTING = {"sort": 1, "floordiv[int64]": 1, "index": 3, "cast": 1, "histc": 1, "cumsum[int32]": 1,
-           "mul": 1, "empty_like[int64]": 1, "arange[int64]": 1, "setitem": 1}  # fmt: skip
+           "mul": 1, "arange[int64]": 1, "setitem": 1}  # fmt: skip
 
 # The layer's last residual add: one op alone between the last GEMM and the output, it runs
 # as itself (a kernel of its own would be one launch too).
@@ -30,21 +30,89 @@ DENSE_PROJ = [
     "residual add + post_attention_layernorm (one kernel, both written)",
     "act(gate) * up",
 ]
-ATTENTION = ["q_norm and k_norm with their RoPE (one kernel: both read the same cos/sin)"]
+QK_NORM_ROPE = ["q_norm and k_norm with their RoPE (one kernel: both read the same cos/sin)"]
+ROPE = ["RoPE of q and k (one kernel)"]
 MOE_PROJ = [
     "input_layernorm",
     "residual add + post_attention_layernorm",
-    "router: softmax, top-k, renormalisation",
+    "router: softmax (or top-k then softmax), top-k, renormalisation",
     "experts' act(gate) * up",
     "sum over the k experts + residual add",
 ]
+GEMMA_PROJ = [
+    "input_layernorm",
+    "post_attention_layernorm + residual add + pre_feedforward_layernorm",
+    "gelu_tanh(gate) * up",
+    "post_feedforward_layernorm + residual add",
+]
+DEEPSEEK_V3_PROJ = [
+    "input_layernorm",
+    "residual add + post_attention_layernorm (+ the gate's fp32 cast)",
+    "gate: sigmoid + correction bias, per-group top-2 sums (before the in-place group mask)",
+    "gate: masked scores, top-k, gather, renormalisation, scaling (after it)",
+    "routed experts' act(gate) * up",
+    "shared expert's act(gate) * up",
+    "sum over the k experts + shared expert + residual add",
+]
+DEEPSEEK_V3_MLA = [
+    "q_a_layernorm",
+    "kv_a_layernorm + RoPE of q_pe and k_pe + the key's concatenation",
+]
+DEEPSEEK_V4_PROJ = [
+    "attention mHC pre: mix statistics (cast, sum of squares) before the mix GEMM",
+    "attention mHC pre: split, 20-iteration Sinkhorn, stream combine, input_layernorm",
+    "attention mHC post merged with the FFN pre's mix statistics",
+    "FFN mHC pre: split, Sinkhorn, combine, post_attention_layernorm",
+    "router: sqrt-softplus, biased top-k, gather, renormalisation",
+    "routed experts' clamped SwiGLU",
+    "shared expert's clamped SwiGLU",
+    "FFN mHC post: routed + shared, stream expand and mix",
+]
+DEEPSEEK_V4_ATTENTION = [
+    "q_a norm",
+    "q head norm",
+    "q RoPE",
+    "kv norm",
+    "kv RoPE",
+    "inverse RoPE of the attention output",
+]
+# transformers' GPT-OSS experts have biases: gathered per sorted slot and added in place
+# (`out.add_(bias)`) after each grouped GEMM.
+EXPERT_BIASES = {"gather_rows": 2, "add_": 2}
+# DeepSeek-V3's group-limited gate builds its group mask in place (zeros_like + scatter_); its
+# top-k indices are flattened by a reshape that must copy.
+GROUP_MASK = {"zeros_like written in place": 1, "scatter_": 1, "reshape_copy": 1}
+# MLA writes q_pe and k_pe into the query and key through copy_ (in-place writes, kept in order).
+MLA_WRITES = {"copy_": 2}
+# DeepSeek-V4's interleaved rotary tables (repeat_interleave of cos and sin, each read by a
+# RoPE kernel) and the output projection's input, a reshape of a permuted einsum result.
+DEEPSEEK_V4_TABLES = {"repeat_interleave": 5, "reshape_copy": 1}
+
+
+def _plus(*counts: dict) -> dict:
+    total: dict = {}
+    for c in counts:
+        for op, n in c.items():
+            total[op] = total.get(op, 0) + n
+    return total
+
 
 # layer -> (stretches of glue, ops left eager: op -> launches)
 BOUNDS = {
     "qwen3_proj": (DENSE_PROJ, LAST_ADD),
-    "qwen3": (DENSE_PROJ + ATTENTION, LAST_ADD),
+    "qwen3": (DENSE_PROJ + QK_NORM_ROPE, LAST_ADD),
     "qwen3_moe_proj": (MOE_PROJ, ROUTING),
-    "qwen3_moe": (MOE_PROJ + ATTENTION, ROUTING),
+    "qwen3_moe": (MOE_PROJ + QK_NORM_ROPE, ROUTING),
+    "mixtral_proj": (MOE_PROJ, ROUTING),
+    "mixtral": (MOE_PROJ + ROPE, ROUTING),
+    "gpt_oss_proj": (MOE_PROJ, _plus(ROUTING, EXPERT_BIASES)),
+    "gpt_oss": (MOE_PROJ + ROPE, _plus(ROUTING, EXPERT_BIASES)),
+    "gemma3_proj": (GEMMA_PROJ, {}),
+    "gemma3": (GEMMA_PROJ + QK_NORM_ROPE, {}),
+    "deepseek_v3_proj": (DEEPSEEK_V3_PROJ, _plus(ROUTING, GROUP_MASK)),
+    "deepseek_v3": (DEEPSEEK_V3_PROJ + DEEPSEEK_V3_MLA, _plus(ROUTING, GROUP_MASK, MLA_WRITES)),
+    "deepseek_v4_proj": (DEEPSEEK_V4_PROJ, ROUTING),
+    "deepseek_v4": (DEEPSEEK_V4_PROJ + DEEPSEEK_V4_ATTENTION, _plus(ROUTING, DEEPSEEK_V4_TABLES)),
 }
 
 
