@@ -57,9 +57,10 @@ MODELS = {
         real=dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8, head_dim=256),
         tiny=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     ),
-    "deepseek_v3": dict(  # DeepSeek-V3 (a MoE layer)
+    "deepseek_v3": dict(  # DeepSeek-V3 (a MoE layer; 64 of its 256 routed experts, so that the
+        # benchmark's three copies of the layer fit on one GPU: 256 take 22.5 GB each)
         module="deepseek_v3", prefix="DeepseekV3",
-        real=dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+        real=dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=64,
                   num_experts_per_tok=8, n_group=8, topk_group=4, num_attention_heads=128, num_key_value_heads=128,
                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                   first_k_dense_replace=0),
