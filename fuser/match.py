@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon import COMMUTATIVE, INPUT, META, COp, canonicalize
-from fuser.pattern import Param, Pattern, is_param
+from fuser.pattern import Param, Pattern, example_tensors, is_param
 from fuser.trace import Traced, trace
 
 EXAMPLE_T = 3
@@ -185,22 +185,7 @@ def _through_casts(cops, node):
 
 
 def _example(pattern: Pattern, sizes: dict[str, int], dtypes: dict[str, torch.dtype], device) -> tuple:
-    gen = torch.Generator().manual_seed(0)
-    tensors = []
-    for name, spec in pattern.inputs.items():
-        shape = []
-        for d in spec.dims:
-            if d == "...":
-                shape += list(sizes.get("...", ()))
-            else:
-                shape.append(EXAMPLE_T if d == "T" else int(d) if d.isdigit() else sizes[d])
-        dtype = dtypes.get(name, spec.dtypes[0])
-        if dtype.is_floating_point:
-            t = torch.randn(shape, generator=gen).to(dtype)
-        else:
-            t = torch.randint(0, 4, shape, generator=gen).to(dtype)
-        tensors.append(t.to(device))
-    return tuple(tensors)
+    return example_tensors(pattern, sizes, dtypes, EXAMPLE_T, 0, device)
 
 
 @functools.lru_cache(maxsize=512)

@@ -290,3 +290,25 @@ def load_patterns(paths=None, templates: set[str] | None = None) -> list[Pattern
 
 def _pattern_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.py") if not p.name.startswith("_"))
+
+
+def example_tensors(pattern: "Pattern", sizes: dict, dtypes: dict, T: int, seed: int = 0, device="cpu") -> tuple:
+    """Random inputs of ``pattern`` at ``sizes`` and ``T`` tokens (an input's dtype from
+    ``dtypes``, else its first declared one): normal floats drawn in fp32 and rounded once to
+    their dtype, small non-negative integers."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for name, spec in pattern.inputs.items():
+        shape = []
+        for d in spec.dims:
+            if d == "...":
+                shape += list(sizes.get("...", ()))
+            else:
+                shape.append(T if d == "T" else int(d) if d.isdigit() else sizes[d])
+        dtype = dtypes.get(name, spec.dtypes[0])
+        if dtype.is_floating_point:
+            value = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            value = torch.randint(0, 4, shape, generator=generator).to(dtype)
+        tensors.append(value.to(device))
+    return tuple(tensors)

@@ -16,7 +16,6 @@ is fused against its own parameters; a pickled (``torch.save``) module is the ea
 from __future__ import annotations
 
 import copy
-import inspect
 import operator
 import threading
 import types

@@ -31,7 +31,7 @@ import torch
 
 import fuser
 from fuser.emit import template_names
-from fuser.pattern import Pattern, PatternError, load_pattern
+from fuser.pattern import Pattern, PatternError, example_tensors, load_pattern
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import least_precise, mismatch
 
@@ -116,24 +116,8 @@ def _accepts(pattern: Pattern, sizes: dict) -> bool:
 
 
 def make_inputs(pattern: Pattern, sizes: dict, dtypes: dict, T: int, seed: int, device="cpu") -> tuple:
-    """Random inputs of the pattern at ``sizes`` and ``T`` tokens: normal floats drawn in fp32
-    and rounded once to their dtype, small non-negative integers."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = []
-    for name, spec in pattern.inputs.items():
-        shape = []
-        for d in spec.dims:
-            if d == "...":
-                shape += list(sizes.get("...", ()))
-            else:
-                shape.append(T if d == "T" else int(d) if d.isdigit() else sizes[d])
-        dtype = dtypes[name]
-        if dtype.is_floating_point:
-            value = torch.randn(shape, generator=g).to(dtype)
-        else:
-            value = torch.randint(0, 4, shape, generator=g).to(dtype)
-        tensors.append(value.to(device))
-    return tuple(tensors)
+    """Random inputs of the pattern at ``sizes`` and ``T`` tokens (:func:`fuser.pattern.example_tensors`)."""
+    return example_tensors(pattern, sizes, dtypes, T, seed, device)
 
 
 # --- one case ----------------------------------------------------------------------------------

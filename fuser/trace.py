@@ -18,7 +18,10 @@ value's type, dtype, device and which dimensions follow the batch:
 * ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch,
   direct Triton launches and CUDA stream switches are refused with the file and line that did it.
 
-Nothing is ever dropped silently: what cannot be traced raises :class:`TraceRefused`.
+Nothing is ever dropped silently. A submodule whose forward cannot be traced (a refusal above,
+or any error its code raises on proxies) becomes an opaque leaf and the trace starts again
+around it, listed in ``Traced.automatic_leaves`` with the file, line and reason; what the traced
+module's own forward cannot trace raises :class:`TraceRefused`.
 """
 
 from __future__ import annotations
@@ -536,19 +539,12 @@ def opaque_functions() -> tuple[list[Callable], list]:
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict) or _is_library_module(namespace):
             continue
-        found = [v for v in list(namespace.values()) if isinstance(v, types.FunctionType) and _marked(v)]
+        found = [v for v in list(namespace.values()) if isinstance(v, types.FunctionType) and is_opaque(v)]
         for fn in found:
             functions[id(fn)] = fn
         if found:
             holders.append(module)
     return list(functions.values()), holders
-
-
-def _marked(value) -> bool:
-    try:
-        return is_opaque(value)
-    except Exception:  # noqa: BLE001 - exotic objects whose getattr raises are not marked
-        return False
 
 
 def _is_library_module(namespace: dict) -> bool:

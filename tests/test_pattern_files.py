@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fuser
 import fuser.emit
