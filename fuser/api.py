@@ -538,6 +538,11 @@ def _reason(node: fx.Node, cops, covered: set) -> str:
 def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
     """Fuse ``module``'s glue in place. On any error the module is left exactly as it was.
 
+    The example call is ``module(*example_inputs, **example_kwargs)`` (``example_kwargs=`` among
+    the options): its tensors, nested in tuples, lists and dicts too, are the fused forward's
+    inputs; every other value is baked in and checked at each call. A submodule whose forward
+    cannot be traced is kept opaque by itself (``report.automatic_leaves``).
+
     The fused forward runs only when the guard takes the call; otherwise the module's own
     forward runs: other dtypes, devices or non-token sizes, no tokens, autograd (grad enabled
     and an input or parameter requiring grad: the kernels have no backward), the user's
