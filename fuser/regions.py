@@ -336,7 +336,7 @@ class RegionBuilder:
         return parts
 
 
-_RECOMPUTABLE = {"gather_rows", "reshape", "expand", "conj", "cast"}
+_RECOMPUTABLE = {"gather_rows", "reshape", "expand", "conj", "cast", "repeat_interleave"}
 
 
 def _reads(cop: COp, value: fx.Node) -> bool:

@@ -71,9 +71,8 @@ DEEPSEEK_V4_PROJ = [
 DEEPSEEK_V4_ATTENTION = [
     "q_a norm",
     "q head norm",
-    "q RoPE",
     "kv norm",
-    "kv RoPE",
+    "RoPE of q and of the kv (one kernel)",
     "inverse RoPE of the attention output",
 ]
 # transformers' GPT-OSS experts have biases: gathered per sorted slot and added in place
@@ -84,9 +83,10 @@ EXPERT_BIASES = {"gather_rows": 2, "add_": 2}
 GROUP_MASK = {"zeros_like written in place": 1, "scatter_": 1, "reshape_copy": 1}
 # MLA writes q_pe and k_pe into the query and key through copy_ (in-place writes, kept in order).
 MLA_WRITES = {"copy_": 2}
-# DeepSeek-V4's interleaved rotary tables (repeat_interleave of cos and sin, each read by a
-# RoPE kernel) and the output projection's input, a reshape of a permuted einsum result.
-DEEPSEEK_V4_TABLES = {"repeat_interleave": 5, "reshape_copy": 1}
+# DeepSeek-V4's output projection reads a reshape of a permuted einsum result, which must copy;
+# in fp32, two of its interleaved rotary tables (`cos.repeat_interleave(2, -1)`) are read by the
+# merged RoPE kernel rather than recomputed in it (in bf16 every kernel recomputes them).
+DEEPSEEK_V4_TABLES = {"repeat_interleave": 2, "reshape_copy": 1}
 
 
 def _plus(*counts: dict) -> dict:
