@@ -23,7 +23,7 @@ from examples.zoo import layers as zoo  # noqa: E402
 from fuser import bench  # noqa: E402
 
 OUT = ROOT / "benchmarks/results"
-# The target of the benchmark: fuser's glue time over torch.compile's, per layer kind.
+# The target: fuser's glue time over torch.compile's, per layer kind.
 HEAVY_GLUE = ("deepseek_v4", "deepseek_v3", "gpt_oss", "qwen3_moe")
 
 
