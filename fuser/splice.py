@@ -317,15 +317,13 @@ def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callabl
     return type(module).forward.__get__(module)
 
 
-def _wants_grad(module: torch.nn.Module, args, kwargs) -> bool:
-    """Would autograd record this call? The fused kernels have no backward, so it must run eager.
-    Parameters are asked at each call (after grad mode): requires_grad may change after apply."""
+def _wants_grad(module: torch.nn.Module, tensors) -> bool:
+    """Would autograd record this call (``tensors``: every tensor it passes, nested ones too)?
+    The fused kernels have no backward, so it must run eager. Parameters are asked at each call
+    (after grad mode): requires_grad may change after apply."""
     if not torch.is_grad_enabled():
         return False
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return True
-    return any(p.requires_grad for p in module.parameters())
+    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters())
 
 
 class GuardedForward:
@@ -343,9 +341,9 @@ class GuardedForward:
     def __call__(self, *args, **kwargs):
         module = self.module
         state = module.__dict__.get(STATE_ATTR)
-        if state is not None and not _wants_grad(module, args, kwargs):
-            traced_args, _ = state.guard.check(args, kwargs)
-            if traced_args is not None and state.current(module):
+        if state is not None:
+            traced_args, _ = state.guard.check(args, kwargs)  # every tensor of the call, or None
+            if traced_args is not None and not _wants_grad(module, traced_args) and state.current(module):
                 return state.fused(module, *traced_args)
         return _eager_forward(module, state)(*args, **kwargs)
 

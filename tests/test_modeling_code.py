@@ -71,6 +71,22 @@ def test_a_call_unlike_the_traced_one_runs_eager():
     torch.testing.assert_close(layer(x, attention_mask=mask, position_embeddings=(cos, sin), scale=0.5), expected)
 
 
+def test_a_nested_keyword_tensor_that_requires_grad_runs_eager():
+    """cos in `position_embeddings=(cos, sin)` requires grad: the kernels have no backward, so
+    the call runs eager and cos gets its gradient."""
+    layer = KeywordLayer().requires_grad_(False)
+    args, kwargs = keyword_inputs()
+    fuser.apply(layer, args, example_kwargs=kwargs)
+    cos, sin = kwargs["position_embeddings"]
+    cos = cos.clone().requires_grad_(True)
+    layer(*args, **{**kwargs, "position_embeddings": (cos, sin)}).sum().backward()
+    fuser.restore(layer)
+    expected = cos.detach().clone().requires_grad_(True)
+    layer(*args, **{**kwargs, "position_embeddings": (expected, sin)}).sum().backward()
+    assert cos.grad is not None
+    torch.testing.assert_close(cos.grad, expected.grad)
+
+
 class LoopExperts(nn.Module):
     """A Python loop over the experts that were hit: data-dependent, not traceable."""
 
