@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import fuser  # noqa: E402
 from fuser import bench  # noqa: E402
-from fuser.capture import replay_time_us  # noqa: E402
+from fuser.tune import time_launches_us  # noqa: E402
 
 CALLS = 100
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -72,16 +72,8 @@ CHAINS = {
 
 
 def per_call_us(forward, inputs) -> float:
-    stream = torch.cuda.Stream()
-    with torch.no_grad(), torch.cuda.stream(stream):
-        for _ in range(3):
-            forward(*inputs)  # compiles (and autotunes) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
-        for _ in range(CALLS):
-            forward(*inputs)
-    return replay_time_us(graph) / CALLS
+    # three warm-ups: torch.compile compiles (and may autotune) outside the capture
+    return time_launches_us(forward, inputs, launches=CALLS, replays=50, warmups=3)
 
 
 def run(tokens) -> list[dict]:

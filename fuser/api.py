@@ -311,7 +311,7 @@ def _check_example_inputs(module: torch.nn.Module, example_inputs, example_kwarg
     batch = batch_dims_of(call, values, batch_inputs)
     for name, value in zip(names, values):
         dim = batch.get(name)
-        if isinstance(value, torch.Tensor) and dim is not None and dim < value.dim() and value.shape[dim] == 0:
+        if dim is not None and dim < value.dim() and value.shape[dim] == 0:
             raise FuserError(f"example inputs need at least one token: input `{name}` has size 0 at dim {dim}")
     tensors = [(f"input `{n}`", v) for n, v in zip(names, values)]
     tensors += [(f"parameter `{n}`", p) for n, p in module.named_parameters()]

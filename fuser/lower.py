@@ -41,20 +41,13 @@ TL_DTYPES = {
     torch.float8_e4m3fn: "tl.float8e4nv", torch.bool: "tl.int1",
 }  # fmt: skip
 
-# The Triton expression of every pointwise op (fuser.ops), by name: one dict, which lowering reads
-# at run time (so a test can swap one op's math). _UNARY and _BINARY name the same dict.
+# The Triton expression of every pointwise op (fuser.ops), by name, read at lowering time.
 _EXPRESSIONS = {name: op.triton for name, op in ops.TABLE.items() if op.kind == ops.POINTWISE and op.triton}
-_UNARY = _BINARY = _EXPRESSIONS
 
-# Ops that need the whole block of the last axis in one program.
-_WHOLE_BLOCK_OPS = ops.WHOLE_BLOCK
 # Integer values a row program carries: top-k indices and the indices a gather reads.
 INDEX_DTYPES = {torch.int64: "tl.int64", torch.int32: "tl.int32"}
 # Most picks a top-k is unrolled into.
 TOPK_LIMIT = 64
-
-# Every op a row program computes: those of the table.
-SUPPORTED_OPS = frozenset(ops.TABLE)
 
 
 def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) -> str:
@@ -266,7 +259,7 @@ class _Lowerer:
         for node in self.nodes:
             cop = self.cops[node]
             regrouped = cop.op == "reshape" and _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node)) is None
-            last_axis_only = cop.op in _WHOLE_BLOCK_OPS or regrouped or _is_complex(self.traced.value(node))
+            last_axis_only = cop.op in ops.WHOLE_BLOCK or regrouped or _is_complex(self.traced.value(node))
             if last_axis_only and not leading:
                 return 0
         axis: dict[fx.Node, int | None] = {n: 0 if leading else len(shape) - 1 for n, shape in zip(self.outputs, outs)}
@@ -307,7 +300,7 @@ class _Lowerer:
                 return "conflict"
             k = mine - 1 if cop.op == "stack" and mine > axis else mine
             return None if src[k] == 1 else k if src[k] == size else "conflict"
-        if cop.op in _WHOLE_BLOCK_OPS or _is_complex(self.traced.value(node)):
+        if cop.op in ops.WHOLE_BLOCK or _is_complex(self.traced.value(node)):
             # They work on the last axis (or pair it up); the leading axes line up from the left.
             if mine >= len(shape) - 1 or mine >= len(src) - 1:
                 return "conflict"

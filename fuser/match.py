@@ -184,10 +184,6 @@ def _through_casts(cops, node):
     return node
 
 
-def _example(pattern: Pattern, sizes: dict[str, int], dtypes: dict[str, torch.dtype], device) -> tuple:
-    return example_tensors(pattern, sizes, dtypes, EXAMPLE_T, 0, device)
-
-
 @functools.lru_cache(maxsize=512)
 def _trace_pattern_cached(pattern_key, pattern: Pattern, sizes_items, dtype_items, structural_items, device):
     sizes, dtypes, structural = dict(sizes_items), dict(dtype_items), dict(structural_items)
@@ -195,7 +191,7 @@ def _trace_pattern_cached(pattern_key, pattern: Pattern, sizes_items, dtype_item
     if structural:
         fn = _with_defaults(fn, {k: Param(v, search=pattern.params[k].search) for k, v in structural.items()})
     batch = {name: 0 for name, spec in pattern.inputs.items() if spec.dims[:1] == ("T",)}
-    traced = trace(fn, _example(pattern, sizes, dtypes, device), batch_inputs=batch)
+    traced = trace(fn, example_tensors(pattern, sizes, dtypes, EXAMPLE_T, 0, device), batch_inputs=batch)
     cops = canonicalize(traced)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder" and n.target in pattern.inputs]
     out = next(n for n in traced.graph.nodes if n.op == "output").args[0]

@@ -108,16 +108,11 @@ def _accepts(pattern: Pattern, sizes: dict) -> bool:
     dtypes = {name: spec.dtypes[0] for name, spec in pattern.inputs.items()}
     try:
         with torch.no_grad():
-            result = pattern.reference(*make_inputs(pattern, sizes, dtypes, TRACE_T, seed=0))
+            result = pattern.reference(*example_tensors(pattern, sizes, dtypes, TRACE_T, seed=0))
     except Exception:  # noqa: BLE001 - any failure means the pattern does not take these sizes
         return False
     outputs = result if isinstance(result, (tuple, list)) else [result]
     return all(isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == TRACE_T for o in outputs)
-
-
-def make_inputs(pattern: Pattern, sizes: dict, dtypes: dict, T: int, seed: int, device="cpu") -> tuple:
-    """Random inputs of the pattern at ``sizes`` and ``T`` tokens (:func:`fuser.pattern.example_tensors`)."""
-    return example_tensors(pattern, sizes, dtypes, T, seed, device)
 
 
 # --- one case ----------------------------------------------------------------------------------
@@ -141,7 +136,7 @@ def check_case(pattern: Pattern, case: Case, device="cpu") -> str | None:
     batch = {name: 0 for name, spec in pattern.inputs.items() if spec.dims[:1] == ("T",)}
     try:
         report = fuser.apply(
-            module, make_inputs(pattern, sizes, dtypes, TRACE_T, 0, device), patterns=[pattern.path], batch_inputs=batch
+            module, example_tensors(pattern, sizes, dtypes, TRACE_T, 0, device), patterns=[pattern.path], batch_inputs=batch
         )
     except fuser.FuserError as e:
         return str(e)
@@ -150,7 +145,7 @@ def check_case(pattern: Pattern, case: Case, device="cpu") -> str | None:
             why = [f"[{r.category}] {r.reason}" for r in report.rejected if r.pattern == pattern.name]
             return f"{pattern.name}'s kernel is not used: " + ("; ".join(why) or "no chain of the report names it")
         for T in TOKENS:
-            problem = _compare_at(pattern, module, make_inputs(pattern, sizes, dtypes, T, seed=T, device=device), T)
+            problem = _compare_at(pattern, module, example_tensors(pattern, sizes, dtypes, T, seed=T, device=device), T)
             if problem:
                 return problem
     finally:

@@ -59,32 +59,40 @@ _LIBRARY_DIRS = tuple(
 _TRACE_LOCK = threading.RLock()
 
 
+UNKNOWN_LOCATION = "<unknown location>"
+
+
 class TraceRefused(Exception):
     """The module does something the tracer will not guess about. Names the user's line."""
 
+    location = UNKNOWN_LOCATION  # file:line of that code, when known
 
-def user_frame() -> str:
-    """``file:line: code`` of the innermost frame outside fuser, torch and the stdlib."""
-    for frame in reversed(traceback.extract_stack()):
-        if _is_library_file(frame.filename):
-            continue
-        code = (frame.line or "").strip()
-        return f"{frame.filename}:{frame.lineno}" + (f": `{code}`" if code else "")
-    return "<unknown location>"
+
+def _innermost_user_frame(frames) -> traceback.FrameSummary | None:
+    """The innermost of ``frames`` outside fuser, torch and the stdlib."""
+    return next((f for f in reversed(frames) if not _is_library_file(f.filename)), None)
+
+
+def _where(frame: traceback.FrameSummary | None, code: bool = False) -> str:
+    """``file:line`` of ``frame`` (and ``: `code``` with ``code``)."""
+    if frame is None:
+        return UNKNOWN_LOCATION
+    line = (frame.line or "").strip() if code else ""
+    return f"{frame.filename}:{frame.lineno}" + (f": `{line}`" if line else "")
 
 
 def _error_location(error: Exception) -> str:
-    """``file:line: code`` where ``error`` was raised, outside fuser, torch and the stdlib."""
+    """``file:line`` where ``error`` was raised, outside fuser, torch and the stdlib."""
     if isinstance(error, TraceRefused):
-        return str(error).split(": ", 1)[0] if ":" in str(error) else "<unknown location>"
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if not _is_library_file(frame.filename):
-            return f"{frame.filename}:{frame.lineno}"
-    return "<unknown location>"
+        return error.location
+    return _where(_innermost_user_frame(traceback.extract_tb(error.__traceback__)))
 
 
 def refuse(what: str, fix: str) -> TraceRefused:
-    return TraceRefused(f"{user_frame()}: {what}. {fix}")
+    frame = _innermost_user_frame(traceback.extract_stack())
+    error = TraceRefused(f"{_where(frame, code=True)}: {what}. {fix}")
+    error.location = _where(frame)
+    return error
 
 
 @dataclass
@@ -286,8 +294,9 @@ class ShadowTracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         except Exception as e:
             # The innermost submodule the error came out of: trace() may keep it opaque.
-            if not hasattr(e, "_fuser_submodule") and not self.is_leaf_module(m, self.path_of_module(m)):
-                e._fuser_submodule = self.path_of_module(m)
+            path = self.path_of_module(m)
+            if not hasattr(e, "_fuser_submodule") and not self.is_leaf_module(m, path):
+                e._fuser_submodule = path
                 e._fuser_where = _error_location(e)
             raise
 
@@ -638,7 +647,7 @@ def _automatic_leaf(error: Exception, taken: list[AutomaticLeaf]) -> AutomaticLe
     if name is None or any(a.name == name for a in taken) or len(taken) >= MAX_AUTOMATIC_LEAVES:
         return None
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    where = getattr(error, "_fuser_where", "<unknown location>")
+    where = getattr(error, "_fuser_where", UNKNOWN_LOCATION)
     if isinstance(error, TraceRefused) and message.startswith(where):
         message = message[len(where) :].lstrip(": ")
     elif not isinstance(error, TraceRefused):

@@ -26,11 +26,12 @@ from fuser.launch_config import entry_key
 WARPS = (1, 2, 4, 8, 16)
 
 
-def time_launches_us(launch, args, launches: int = 10, replays: int = 20) -> float:
+def time_launches_us(launch, args, launches: int = 10, replays: int = 20, warmups: int = 1) -> float:
     """Mean microseconds per launch: ``launches`` back to back in one CUDA graph, replayed."""
     stream = torch.cuda.Stream()
     with torch.no_grad(), torch.cuda.stream(stream):
-        launch(*args)  # compiles outside the capture
+        for _ in range(warmups):
+            launch(*args)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph, stream=stream):

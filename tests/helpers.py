@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
+import fuser.api
 from fuser.pattern import load_pattern, patterns_dir
 from fuser.splice import STATE_ATTR
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- kernel launches ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def spied_launches(corrupt: str | None = None):
+    """Wrap every kernel launcher fuser emits: record each call's pattern; for launchers of the
+    pattern ``corrupt`` (or of a merged kernel with it among its parts), add 1.0 to every output
+    (a kernel that computes the wrong values)."""
+    real_emit = fuser.api.emit
+    calls: list[str] = []
+
+    def emit(spec):
+        path, launch = real_emit(spec)
+
+        def spy(*args):
+            calls.append(spec.pattern)
+            outs = launch(*args)
+            if corrupt in spec.pattern.split("+"):
+                outs = tuple(o + 1.0 for o in outs)
+            return outs
+
+        spy.__name__ = spy.__qualname__ = launch.__name__
+        return path, spy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fuser.api, "emit", emit)
+        yield calls
 
 
 # --- patterns ----------------------------------------------------------------------------------

@@ -1,45 +1,18 @@
 """fuser.apply / fuser.restore / fuser.check: in-place splicing, the guard, and validation."""
 
-import contextlib
 import inspect
 import os
 
 import pytest
 import torch
 import torch.nn as nn
+from helpers import spied_launches
 
 import fuser
-import fuser.api
 from examples.dsv4 import layer as dsv4
 from fuser.tolerance import KERNEL, mismatch
 
 THIS_FILE = os.path.basename(__file__)
-
-
-@contextlib.contextmanager
-def spied_launches(corrupt: str | None = None):
-    """Wrap every kernel launcher fuser emits: record each call's pattern; for launchers of the
-    pattern ``corrupt`` (or of a merged kernel with it among its parts), add 1.0 to every output
-    (a kernel that computes the wrong values)."""
-    real_emit = fuser.api.emit
-    calls: list[str] = []
-
-    def emit(spec):
-        path, launch = real_emit(spec)
-
-        def spy(*args):
-            calls.append(spec.pattern)
-            outs = launch(*args)
-            if corrupt in spec.pattern.split("+"):
-                outs = tuple(o + 1.0 for o in outs)
-            return outs
-
-        spy.__name__ = spy.__qualname__ = launch.__name__
-        return path, spy
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fuser.api, "emit", emit)
-        yield calls
 
 
 # ---------------------------------------------------------------------------------------------

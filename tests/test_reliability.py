@@ -11,31 +11,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import spied_launches
 
 import fuser
-import fuser.api
 import fuser.splice
 from fuser.report import Report
 from fuser.tolerance import KERNEL, mismatch
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches():
     """The patterns of the fused kernels launched, in order (every launcher fuser emits is wrapped)."""
-    real_emit = fuser.api.emit
-    calls: list[str] = []
-
-    def emit(spec):
-        path, launch = real_emit(spec)
-
-        def counted(*args):
-            calls.append(spec.pattern)
-            return launch(*args)
-
-        return path, counted
-
-    monkeypatch.setattr(fuser.api, "emit", emit)
-    return calls
+    with spied_launches() as calls:
+        yield calls
 
 
 def randn(*shape, seed=0):
