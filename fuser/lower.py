@@ -54,9 +54,9 @@ def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) 
     """``expr`` (of dtype ``source``) converted to ``dtype`` the way PyTorch rounds it.
 
     fp32 -> bf16 goes through ``to_bf16`` and fp32 -> fp8 e4m3 through ``to_e4m3``
-    (templates/_kernel_base.py.jinja): round to nearest even in integer arithmetic, so the
-    result is exact on the GPU and in Triton's CPU interpreter alike (the interpreter's own
-    casts truncate, or round fp8 wrongly).
+    (templates/_kernel_base.py.jinja): round to nearest even, as the GPU's own bf16 conversion
+    does; under Triton's CPU interpreter (whose casts truncate, or round fp8 wrongly) in integer
+    arithmetic, and fp8 always so.
     """
     if dtype == source:
         return expr
@@ -882,7 +882,8 @@ class _Lowerer:
                 raise
         for operand, node in zip(outs, self.outputs):
             self.store(operand, node)
-        warps = min(16, max(1, pow2(numel // 512)))
+        reducing = any(self.cops[n].op in ops.REDUCING for n in self.nodes)
+        warps = heuristic_warps(numel, reducing, self.tiled)
         helpers = tuple(sorted(self.helpers))
         return RowProgram(ins, outs, self.lines, self.tiled, self.last, self.block_last, warps, numel, helpers)
 
@@ -891,6 +892,21 @@ class _Lowerer:
         if not op.has_rows and self.block_shape(node) != op.shape:  # [1, N]: expanded over rows
             op = Operand(name, node.name, self.block_shape(node), op.dtype, True, broadcast_rows=True)
         return op
+
+
+def heuristic_warps(numel: int, reducing: bool, tiled: bool) -> int:
+    """Warps for a row program without a launch-table entry of its own, by its block's size.
+
+    Fitted to every kernel of the zoo and the DSv4 example timed at 1-16 warps on an H200
+    (``fuser tune``; benchmarks/results/README.md reports the check): elementwise blocks want
+    about 8 elements a thread (2048 elements: 8 warps); a reduction along the row about 16
+    (4096-wide RMSNorm: 8); a reduction inside a tile across a short axis (the sum over the
+    top-k experts of ``[k, tile]``, the mHC streams) is fastest with one warp per 2048
+    elements, several times slower with more. Never more than 8: no kernel measured wanted 16
+    by more than a few percent, and some lost a quarter with it.
+    """
+    per_warp = 2048 if reducing and tiled else 512 if reducing else 256
+    return min(8, max(1, pow2(numel // per_warp)))
 
 
 def operand(traced: Traced, node: fx.Node, name: str) -> Operand:

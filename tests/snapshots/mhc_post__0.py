@@ -7,18 +7,29 @@
 # in3: torch.bfloat16 [T, 4, 64]
 # in4: torch.float32 [T, 4]
 # out0 -> torch.bfloat16 [T, 4, 64]
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET") == "1":
 
-@triton.jit
-def to_bf16(x):
-    """fp32 -> bf16, round to nearest even in integer arithmetic: exact everywhere, including
-    Triton's CPU interpreter (whose own cast truncates). NaN stays NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    @triton.jit
+    def to_bf16(x):
+        """fp32 -> bf16, round to nearest even in integer arithmetic: Triton's CPU interpreter's
+        own cast truncates. NaN stays NaN."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+
+else:
+
+    @triton.jit
+    def to_bf16(x):
+        """fp32 -> bf16, round to nearest even: one conversion instruction on the GPU (the
+        integer version above costs a memory-bound kernel up to a third of its time)."""
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -38,7 +49,7 @@ def to_e4m3(x):
 
 
 @triton.jit
-def mhc_post_05a9445b36c1_kernel(
+def mhc_post_196bc0e3d2c2_kernel(
     in0_ptr, in0_stride_row, in0_stride_0,
     in1_ptr, in1_stride_row, in1_stride_0,
     in2_ptr, in2_stride_row, in2_stride_0, in2_stride_1,
@@ -69,11 +80,11 @@ def mhc_post_05a9445b36c1_kernel(
 
 
 def launch(in0, in1, in2, in3, in4):
-    """Run mhc_post_05a9445b36c1_kernel: returns (out0,)."""
+    """Run mhc_post_196bc0e3d2c2_kernel: returns (out0,)."""
     n_rows = in0.shape[0]
     out0 = torch.empty((n_rows, 4, 64), dtype=torch.bfloat16, device=in0.device)
     if n_rows > 0:
-        mhc_post_05a9445b36c1_kernel[(n_rows, triton.cdiv(64, 64))](
+        mhc_post_196bc0e3d2c2_kernel[(n_rows, triton.cdiv(64, 64))](
             in0, in0.stride(0), in0.stride(1),
             in1, in1.stride(0), in1.stride(1),
             in2, in2.stride(0), in2.stride(1), in2.stride(2),
@@ -81,6 +92,6 @@ def launch(in0, in1, in2, in3, in4):
             in4, in4.stride(0), in4.stride(1),
             out0, out0.stride(0), out0.stride(1), out0.stride(2),
             BLOCK_TILE=64,
-            num_warps=2,
+            num_warps=1,
         )
     return (out0,)

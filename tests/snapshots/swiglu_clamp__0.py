@@ -4,18 +4,29 @@
 # in0: torch.bfloat16 [T, 32]
 # in1: torch.bfloat16 [T, 32]
 # out0 -> torch.bfloat16 [T, 32]
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET") == "1":
 
-@triton.jit
-def to_bf16(x):
-    """fp32 -> bf16, round to nearest even in integer arithmetic: exact everywhere, including
-    Triton's CPU interpreter (whose own cast truncates). NaN stays NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    @triton.jit
+    def to_bf16(x):
+        """fp32 -> bf16, round to nearest even in integer arithmetic: Triton's CPU interpreter's
+        own cast truncates. NaN stays NaN."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+
+else:
+
+    @triton.jit
+    def to_bf16(x):
+        """fp32 -> bf16, round to nearest even: one conversion instruction on the GPU (the
+        integer version above costs a memory-bound kernel up to a third of its time)."""
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -35,7 +46,7 @@ def to_e4m3(x):
 
 
 @triton.jit
-def swiglu_clamp_cb99707a0be4_kernel(
+def swiglu_clamp_077f7d34c779_kernel(
     in0_ptr, in0_stride_row, in0_stride_0,
     in1_ptr, in1_stride_row, in1_stride_0,
     out0_ptr, out0_stride_row, out0_stride_0,
@@ -57,11 +68,11 @@ def swiglu_clamp_cb99707a0be4_kernel(
 
 
 def launch(in0, in1):
-    """Run swiglu_clamp_cb99707a0be4_kernel: returns (out0,)."""
+    """Run swiglu_clamp_077f7d34c779_kernel: returns (out0,)."""
     n_rows = in0.shape[0]
     out0 = torch.empty((n_rows, 32), dtype=torch.bfloat16, device=in0.device)
     if n_rows > 0:
-        swiglu_clamp_cb99707a0be4_kernel[(n_rows, triton.cdiv(32, 32))](
+        swiglu_clamp_077f7d34c779_kernel[(n_rows, triton.cdiv(32, 32))](
             in0, in0.stride(0), in0.stride(1),
             in1, in1.stride(0), in1.stride(1),
             out0, out0.stride(0), out0.stride(1),
