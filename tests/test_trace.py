@@ -117,6 +117,24 @@ def test_refusal_does_not_touch_the_inputs():
     assert torch.equal(x, before)
 
 
+
+class ScaledByPositions(nn.Module):
+    def forward(self, x, positions):
+        return torch.sigmoid(x * positions) + 1
+
+
+def test_an_expanded_input_is_taken_and_left_as_it_was():
+    """Modeling code passes broadcast views (``position_ids.expand(batch, -1)``): one storage
+    element per column, so it can be neither written in place nor written back to."""
+    x = torch.randn(3, 8)
+    positions = torch.arange(8.0).expand(3, 8)
+    module = ScaledByPositions()
+    report = fuser.apply(module, (x, positions))
+    assert report.launches_after == 1
+    torch.testing.assert_close(module(x, positions), torch.sigmoid(x * positions) + 1)
+    with pytest.raises(fuser.TraceRefused, match="control flow"):  # the refusal, not the restore's error
+        trace(BranchOnData(), (positions,))
+
 # ---------------------------------------------------------------------------------------------
 # Branches that trace correctly
 # ---------------------------------------------------------------------------------------------
