@@ -62,7 +62,8 @@ class Plan:
 def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
     if region.template in PARAM_TEMPLATES:
         inputs = [operand(traced, n, f"in{i}") for i, n in enumerate(region.inputs)]
-        outputs = [operand(traced, n, f"out{i}") for i, n in enumerate(region.outputs)]
+        names = region.match.output_names or [f"out{i}" for i in range(len(region.outputs))]
+        outputs = [operand(traced, n, name) for n, name in zip(region.outputs, names)]
         return KernelSpec(region.template, region.pattern, inputs, outputs, region.params, region.match.sizes)
     program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs)
     for op, node in zip(program.outputs, region.outputs):
@@ -150,6 +151,33 @@ def _unordered_outputs(traced: Traced, cops, got, expected):
     return (got[0], expected[0]) if single else (got, expected)
 
 
+def _unstable_sort_ties(region: Region, cops, values, got: list, expected: list) -> tuple[list, list]:
+    """``torch.sort(stable=False)`` may order equal keys either way, so the kernel and eager may
+    give different permutations for the same sort. A permutation output of such a sort is
+    compared with each run of equal sorted keys in ascending order (:func:`_ties_in_order`)."""
+    got, expected = list(got), list(expected)
+    for i, node in enumerate(region.outputs):
+        cop = cops[node]
+        sort = cops.get(cop.args[0]) if cop.op == "element" and cop.attr("part") == 1 else None
+        if sort is None or sort.op != "sort" or sort.attr("stable") or not isinstance(got[i], torch.Tensor):
+            continue
+        dim = sort.attr("dim")
+        keys = values[sort.args[0]].take_along_dim(expected[i], dim)  # the sorted keys, as eager has them
+        got[i], expected[i] = _ties_in_order(got[i], keys, dim), _ties_in_order(expected[i], keys, dim)
+    return got, expected
+
+
+def _ties_in_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """``perm`` with the entries under each run of equal ``keys`` sorted: every permutation that
+    sorts the keys becomes the stable one; any other stays different from it."""
+    if perm.shape != keys.shape or perm.dtype != torch.int64 or perm.shape[dim] < 2:
+        return perm
+    p, k = perm.movedim(dim, -1), keys.movedim(dim, -1)
+    run = torch.cat([torch.zeros_like(p[..., :1]), (k[..., 1:] != k[..., :-1]).long().cumsum(-1)], -1)
+    order = torch.argsort(run * p.shape[-1] + p, dim=-1, stable=True)
+    return p.gather(-1, order).movedim(-1, dim)
+
+
 # Triton's CPU interpreter swaps triton.language functions in and out around every launch,
 # so two threads must not run interpreted kernels at once (compiled GPU kernels may).
 _INTERPRETER_LOCK = threading.Lock()
@@ -170,6 +198,7 @@ def _validate(kernel: Kernel, values, cops) -> str | None:
     )
     expected_values = [values[n] for n in region.outputs]
     got, expected_values = _unordered_topk(kernel, cops, list(got), expected_values)
+    got, expected_values = _unstable_sort_ties(region, cops, values, got, expected_values)
     for node, actual, expected in zip(region.outputs, got, expected_values):
         coarsest = least_precise([precision, expected.dtype]) if isinstance(expected, torch.Tensor) else None
         problem = mismatch(actual, expected, f"`{node.name}`", tol_dtype=coarsest)

@@ -187,6 +187,8 @@ class Canonicalizer:
                 return self._topk(node)
             if op_name(node) in _MAX_PARTS and _holds_tensors(value):
                 return self._max_along(node)
+            if op_name(node) == "sort" and _holds_tensors(value):
+                return self._sort(node)
             if _holds_tensors(value) and op_name(node) not in ("chunk", "split", "unbind", "getattr", "getitem"):
                 # topk, sort, max(dim): one kernel returning several tensors; no template yet
                 return self._make(node, op_name(node), UNSUPPORTED, _tensor_args(node))
@@ -214,11 +216,18 @@ class Canonicalizer:
             if producer and producer.op in ("max_along", "min_along") and which in _MAX_PARTS[op_name(source)]:
                 # max(x, dim).values is amax(x, dim), .indices argmax(x, dim): one op each
                 return self._make(node, _MAX_PARTS[op_name(source)][which], COMPUTE, producer.args, dict(producer.attrs))
-            return self._make(node, "element", VIEW, (source,))  # no kernel of its own
+            # no kernel of its own; which result it picks (sort(x)[0] or .values: part 0)
+            return self._make(node, "element", VIEW, (source,), {"part": _part_index(self.value(source), which)})
         if name in _PAIR_VIEWS and self._aliases(node):
             return self._make(node, name, UNIT_VIEW, _tensor_args(node))
         if name in _EMPTIES:
             return self._make(node, "empty", META)  # an allocation, of any dtype: no kernel, no launch
+        if name in ("histc", "cumsum"):
+            return getattr(self, f"_{name}")(node)
+        if _integer_cast(node, value, self.value(source)):
+            # no kernel computes integers yet; a cast like any other, so that the spellings of
+            # one chain that cast to different dtypes per device compare (x.float() / x.int())
+            return self._make(node, "cast", UNSUPPORTED, (source,), {"dtype": value.dtype})
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
         index_ok = value.dtype == torch.int64 and ops.TABLE.get(name, None) and ops.TABLE[name].result == ops.INDEX_RESULT
@@ -492,6 +501,39 @@ class Canonicalizer:
         attrs = {"dim": (dim % src.dim(),), "keepdim": bool(params.get("keepdim", False))}
         return self._make(node, f"{name}_along", META, (x,), attrs)  # no kernel: its parts are the ops
 
+    def _sort(self, node):
+        """``torch.sort(x, dim, descending, stable=)``: a (values, indices) pair, read through
+        its parts (``element`` nodes naming the part). No template lowers a sort by itself."""
+        params = dict(zip(("input", "dim", "descending"), node.args))
+        params.update(node.kwargs)
+        x = params.get("input")
+        rank = self.value(x).dim() if isinstance(x, fx.Node) else 0
+        dim = params.get("dim", -1)
+        attrs = {
+            "dim": dim % rank if isinstance(dim, int) and rank else dim,
+            "descending": bool(params.get("descending", False)),
+            "stable": bool(params.get("stable", False)),
+        }
+        return self._make(node, "sort", UNSUPPORTED, (x,), attrs)
+
+    def _histc(self, node):
+        """``torch.histc(x, bins, min, max)``: bins, min and max are literal arguments (a
+        pattern may capture them as parameters)."""
+        params = dict(zip(("input", "bins", "min", "max"), node.args))
+        params.update(node.kwargs)
+        args = (params.get("input"), params.get("bins", 100), params.get("min", 0), params.get("max", 0))
+        return self._make(node, "histc", UNSUPPORTED, args)
+
+    def _cumsum(self, node):
+        """``torch.cumsum(x, dim, dtype=)``: the dim and the dtype of the result (with or
+        without ``dtype=``) are attributes."""
+        params = dict(zip(("input", "dim"), node.args))
+        params.update(node.kwargs)
+        x, dim = params.get("input"), params.get("dim")
+        rank = self.value(node).dim()
+        attrs = {"dim": dim % rank if isinstance(dim, int) and rank else dim, "dtype": self.value(node).dtype}
+        return self._make(node, "cumsum", UNSUPPORTED, (x,), attrs)
+
     def _stack(self, node):
         parts = node.args[0] if node.args else node.kwargs.get("tensors")
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -577,6 +619,26 @@ def _writes_into(user: fx.Node, node: fx.Node) -> bool:
     if user.target is operator.setitem or (user.op == "call_method" and str(user.target).endswith("_")):
         return bool(user.args) and user.args[0] is node
     return False
+
+
+_INTEGER_CASTS = {"int", "long", "short", "char", "byte", "to", "type"}
+
+
+def _integer_cast(node: fx.Node, value, source) -> bool:
+    """Is the node a method cast of a tensor to another integer dtype on the same device?"""
+    return (
+        node.op == "call_method" and node.target in _INTEGER_CASTS and isinstance(source, torch.Tensor)
+        and isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and not value.dtype.is_complex
+        and value.dtype != torch.bool and value.dtype != source.dtype and value.device == source.device
+    )  # fmt: skip
+
+
+def _part_index(result, which):
+    """The position of the part ``which`` (an index or a field name) of a tuple result."""
+    if isinstance(which, str):
+        field = getattr(result, which, None)
+        return next((i for i, v in enumerate(result) if v is field), which)
+    return which if isinstance(which, int) else None
 
 
 def _holds_tensors(value) -> bool:

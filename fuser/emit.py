@@ -88,6 +88,7 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         sizes=spec.sizes,
         inputs=spec.inputs,
         outputs=spec.outputs,
+        named_outputs={op.name: op for op in spec.outputs},  # a hand-written template's outputs by name
         program=spec.program,
         kernel_name=kernel_name,
         num_warps=spec.num_warps,

@@ -455,8 +455,9 @@ class _Lowerer:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
         if op == "topk":
             return self.topk(node, cop)
-        for arg in args:  # a concatenation read by anything but a cast or a store: one block
-            if op != "cast" and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
+        keeps_parts = op == "cast" or (op == "reshape" and self._moves_unit_axes(args[0], node))
+        for arg in args:  # a concatenation read by anything but a cast, a store or a unit-axis move: one block
+            if not keeps_parts and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
                 self.names[arg] = self.joined(arg)
         special = entry.lowering == "pairs_and_parts" or any(
             isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
@@ -628,6 +629,14 @@ class _Lowerer:
                 offset += width
             self.names[node] = Segments(parts)
             return
+        if op == "reshape" and isinstance(src, Segments) and self._moves_unit_axes(args[0], node):
+            # (``cat([nope, rope], -1).transpose(1, 2)`` with one token per head row): each part
+            # moves the same way, so the concatenation is still stored part by part.
+            lead = self.padded(node)[:-1]
+            self.names[node] = Segments(
+                [(o, f"tl.reshape({e}, {lead + (pow2(w),)})", w, d) for o, e, w, d in src.parts]
+            )
+            return
         if op == "cast" and isinstance(src, Segments):
             self.names[node] = Segments(
                 [(o, rounded(rounded(e, torch.float32, d), value.dtype), w, value.dtype) for o, e, w, d in src.parts]
@@ -646,6 +655,13 @@ class _Lowerer:
                 return pair(f"{a[0]} * {b[0]}", f"{a[0]} * {b[1]}")
             return pair(f"{a[0]} * {b[0]} - {a[1]} * {b[1]}", f"{a[0]} * {b[1]} + {a[1]} * {b[0]}")
         raise LoweringError(f"`{node.name}`: no lowering for {op} on {value.dtype} / concatenated values")
+
+    def _moves_unit_axes(self, src: fx.Node, node: fx.Node) -> bool:
+        """Is ``node`` ``src`` with only size-1 axes moved, added or dropped (the last axis kept)?"""
+        before, after = self.block_shape(src), self.block_shape(node)
+        if not before or not after or before[-1] != after[-1]:
+            return False
+        return [s for s in before if s != 1] == [s for s in after if s != 1]
 
     def slice_columns(self, node: fx.Node, name: str, cop: COp):
         """``src[..., start:stop]`` of a block in registers (Triton cannot index a block): when

@@ -53,6 +53,7 @@ class Match:
     params: dict[str, Any]
     sizes: dict[str, int]
     dtypes: dict[str, torch.dtype]
+    output_names: list[str] | None = None  # the pattern's names of ``outputs``, when it names them
 
 
 @dataclass
@@ -108,7 +109,7 @@ class _Comparer:
         if mn in st.p2m.values() or mn in self.taken or mn not in self.mcops:
             return self.fail(f"`{mn.name}` already belongs to another match")
         mc = self.mcops[mn]
-        if (mc.op, mc.kind) != (pc.op, pc.kind) or len(mc.args) != len(pc.args):
+        if mc.op != pc.op or self.exact and mc.kind != pc.kind or len(mc.args) != len(pc.args):
             return self.fail(f"`{mn.name}` computes {mc.op} where the pattern has {pc.op}")
         if self.exact and mc.attrs != pc.attrs:
             differ = {k for k in dict(mc.attrs).keys() | dict(pc.attrs).keys() if mc.attr(k) != pc.attr(k)}
@@ -286,7 +287,7 @@ def _sizes_from_binding(pattern: Pattern, bound: dict[str, fx.Node], traced: Tra
 def match_pattern(pattern: Pattern, traced: Traced, mcops: dict[fx.Node, COp], taken: set):
     """All non-overlapping matches of one pattern, latest anchors first, and the rejections."""
     matches: list[Match] = []
-    rejections: list[Rejection] = []
+    tried: dict[fx.Node, Match | Rejection] = {}  # anchor -> what matching there gave
     device = next((v.device for v in traced.example_inputs if isinstance(v, torch.Tensor)), "cpu")
     loose_default = trace_pattern(pattern, pattern.example, {}, None)
     anchor_op = loose_default.cops[_through_casts(loose_default.cops, loose_default.outputs[0])].op
@@ -298,9 +299,19 @@ def match_pattern(pattern: Pattern, traced: Traced, mcops: dict[fx.Node, COp], t
         found = _match_at(pattern, traced, mcops, mn, taken | _claimed(matches), device)
         if isinstance(found, Match):
             matches.append(found)
-        elif isinstance(found, Rejection):
-            rejections.append(found)
-    return matches, rejections
+        if found is not None:
+            tried[mn] = found
+    return matches, [r for mn, r in tried.items() if isinstance(r, Rejection) and not _said_better(mn, r, tried, mcops)]
+
+
+def _said_better(anchor: fx.Node, rejection: Rejection, tried: dict, mcops) -> bool:
+    """Is the rejection at a cast tried as the anchor (its source computes the pattern's output)
+    only structural, where the source itself matched or was rejected for a telling reason?"""
+    source = _through_casts(mcops, anchor)
+    other = tried.get(source)
+    if source is anchor or rejection.category != "structure" or other is None:
+        return False
+    return isinstance(other, Match) or other.category != "structure"
 
 
 def _claimed(matches: list[Match]) -> set:
@@ -349,9 +360,23 @@ def _match_at(pattern, traced, mcops, anchor, taken, device):
             return reject(problem, "fan-out")
         params = dict(st.params)
         params.update({k: v for k, v in structural.items()})
+        problem = pattern.constraint_problem(params)
+        if problem:
+            return reject(problem, "literal")
         primary = [mn for pn, mn in st.p2m.items()]
-        return Match(pattern, inputs, outputs, nodes, primary, params, sizes, dtypes)
+        names = None
+        if pattern.outputs is not None:
+            outputs, names = _read_outputs(outputs, list(pattern.outputs), nodes, mcops)
+        return Match(pattern, inputs, outputs, nodes, primary, params, sizes, dtypes, names)
     return None
+
+
+def _read_outputs(outputs: list, names: list, nodes: set, cops) -> tuple[list, list]:
+    """The outputs someone outside the chain reads, with their names (all, if none is read)."""
+    read = [i for i, node in enumerate(outputs) if _used_outside(node, nodes, cops)]
+    if not read:
+        return outputs, names
+    return [outputs[i] for i in read], [names[i] for i in read]
 
 
 def _used_outside(node: fx.Node, nodes: set, cops) -> list[fx.Node]:

@@ -20,6 +20,12 @@ A pattern file (one chain per file, in ``patterns/``) holds exactly three things
         example=dict(N=64),                              # sizes to trace the reference at
     )
 
+A hand-written template (one that is not a row program, like ``sinkhorn``) may name the
+reference's outputs, ``outputs=("sorted_ids", "perm", "offsets")``: the kernel's output
+arguments then carry those names, and an output nobody outside the chain reads is left out (the
+template writes only the outputs it is given). ``constraint=lambda bins, top: top == bins - 1``
+is a condition on the captured ``Param`` values, by name, that a match must meet.
+
 ``Param(value)`` arguments are literals the matcher captures from the model instead of
 requiring them equal (eps, a clamp limit); ``Param(20, search=range(1, 65))`` is a structural
 integer (a loop count) that the matcher searches for. Everything else in the reference must
@@ -111,7 +117,7 @@ def tensor(dims: str, dtypes: str) -> TensorSpec:
     return TensorSpec(names, tuple(DTYPES[d] for d in dtypes.split()))
 
 
-ALLOWED_KEYS = {"template", "inputs", "example", "description", "priority"}
+ALLOWED_KEYS = {"template", "inputs", "example", "description", "priority", "outputs", "constraint"}
 
 
 @dataclass(eq=False)
@@ -126,6 +132,18 @@ class Pattern:
     description: str = ""
     priority: int = 0
     replaces: Path | None = None  # the built-in pattern of the same name this file is used instead of
+    outputs: tuple[str, ...] | None = None  # names of the reference's outputs; unread ones are dropped
+    constraint: Callable | None = None  # a condition on the captured parameters, by name
+
+    def constraint_problem(self, params: dict) -> str | None:
+        """Why the captured parameters fail the pattern's constraint, or None if they meet it."""
+        if self.constraint is None:
+            return None
+        names = list(inspect.signature(self.constraint).parameters)
+        if self.constraint(**{n: params[n] for n in names}):
+            return None
+        values = ", ".join(f"{n}={params[n]}" for n in names)
+        return f"the parameters ({values}) fail the pattern's constraint ({self.path.name})"
 
     @property
     def builtin(self) -> bool:
@@ -181,7 +199,7 @@ def _check_reference(pattern: Pattern) -> None:
     from fuser.match import trace_pattern  # fuser.match imports this module
 
     try:
-        trace_pattern(pattern, pattern.example, {}, None)
+        graph = trace_pattern(pattern, pattern.example, {}, None)
     except Exception as e:
         line = next((f.lineno for f in reversed(_tb_frames(e)) if Path(f.filename).resolve() == pattern.path), None)
         if line is None:
@@ -190,6 +208,12 @@ def _check_reference(pattern: Pattern) -> None:
         raise PatternError(
             f"{pattern.path}:{line}: the reference fails at the example sizes ({sizes}): {type(e).__name__}: {e}"
         ) from e
+    if pattern.outputs is not None and len(pattern.outputs) != len(graph.outputs):
+        line = inspect.getsourcelines(pattern.reference)[1]
+        raise PatternError(
+            f"{pattern.path}:{line}: PATTERN names {len(pattern.outputs)} outputs {list(pattern.outputs)}; "
+            f"the reference returns {len(graph.outputs)}"
+        )
 
 
 def _load_pattern(path: Path, source: str, templates: set[str] | None) -> Pattern:
@@ -246,6 +270,18 @@ def _load_pattern(path: Path, source: str, templates: set[str] | None) -> Patter
     if missing:
         # A reasonable size for symbols without an example: small, not a power of two.
         example.update({s: 24 for s in missing})
+    outputs = decl.get("outputs")
+    if outputs is not None and (
+        not isinstance(outputs, tuple) or not outputs or not all(isinstance(o, str) and o.isidentifier() for o in outputs)
+        or len(set(outputs)) != len(outputs)
+    ):  # fmt: skip
+        raise fail(key_lines.get("outputs", pattern_line), f"outputs must be a tuple of distinct names, not {outputs!r}")
+    constraint = decl.get("constraint")
+    if constraint is not None:
+        unknown = [n for n in inspect.signature(constraint).parameters if n not in params] if callable(constraint) else None
+        if unknown is None or unknown:
+            what = "is not callable" if unknown is None else f"takes {unknown}, which are no Param of the reference {sorted(params)}"
+            raise fail(key_lines.get("constraint", pattern_line), f"constraint {what}")
     doc = (module.__doc__ or "").strip().splitlines()
     return Pattern(
         name=path.stem,
@@ -257,6 +293,8 @@ def _load_pattern(path: Path, source: str, templates: set[str] | None) -> Patter
         example=example,
         description=decl.get("description", doc[0] if doc else ""),
         priority=int(decl.get("priority", 0)),
+        outputs=outputs,
+        constraint=constraint,
     )
 
 

@@ -29,7 +29,7 @@ from fuser.canon import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VI
 from fuser.match import Match, Rejection
 
 #: Templates whose kernel body is written by hand from the pattern's parameters.
-PARAM_TEMPLATES = {"sinkhorn"}
+PARAM_TEMPLATES = {"sinkhorn", "expert_sort"}  # the expert sort: one program over every id
 
 
 @dataclass

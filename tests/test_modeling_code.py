@@ -284,3 +284,25 @@ def test_a_transposed_view_of_a_fused_square_matrix_keeps_its_order(dtype):
     result = fuser.check(TransposedMix(), (logits, streams))
     assert result.ok, result.problems
     assert result.report.chains and not result.report.unfused, result.report.text()
+
+
+class InterleavedRope(nn.Module):
+    """transformers' DeepSeek-V4 RoPE on the trailing 64 channels of 512-wide heads, then the
+    heads moved behind the (single) position: ``cat([nope, rotated], -1).transpose(1, 2)``."""
+
+    def forward(self, q, cos, sin):
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [3, 8])
+def test_a_wide_concatenation_moved_by_unit_axes_is_stored_part_by_part(dtype, heads):
+    """The 448 + 64 columns are never assembled into one block in registers (too wide): each
+    part is stored at its offset, and the transpose only moves the size-1 axis."""
+    q = torch.randn(3, heads, 1, 512, dtype=dtype)
+    cos, sin = torch.randn(3, 1, 32), torch.randn(3, 1, 32)
+    result = fuser.check(InterleavedRope(), (q, cos, sin))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1 and not result.report.unfused, result.report.text()

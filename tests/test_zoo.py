@@ -13,12 +13,14 @@ import torch
 import fuser
 from examples.zoo import layers as zoo
 
-# transformers' grouped_mm experts (integrations/moe.py): sorting the token-expert pairs by
-# expert, the expert offsets (histc of the sorted ids, cast first, + cumsum), the gathers by
-# the sort's permutation and the scatter (arange + setitem) that inverts it, and the
-# routing-weight multiply left alone between the down GEMM and a gather: 11 launches.
-ROUTING = {"sort": 1, "floordiv[int64]": 1, "index": 3, "cast": 1, "histc": 1, "cumsum[int32]": 1,
-           "mul": 1, "arange[int64]": 1, "setitem": 1}  # fmt: skip
+# transformers' grouped_mm experts (integrations/moe.py): the sort by expert and the expert
+# offsets (histc of the sorted ids, cast first, + cumsum) are one kernel (EXPERT_SORT below);
+# left eager: the token index of each sorted pair (perm // k), the gathers by the permutation
+# (hidden states, routing weights, and the output back by its inverse), the scatter that
+# inverts it (arange + setitem: an in-place write into a fresh buffer, which no pattern
+# matches), and the routing-weight multiply left alone between the down GEMM and a gather:
+# 7 launches.
+ROUTING = {"floordiv[int64]": 1, "index": 3, "mul": 1, "arange[int64]": 1, "setitem": 1}
 
 # The layer's last residual add: one op alone between the last GEMM and the output, it runs
 # as itself (a kernel of its own would be one launch too).
@@ -32,10 +34,14 @@ DENSE_PROJ = [
 ]
 QK_NORM_ROPE = ["q_norm and k_norm with their RoPE (one kernel: both read the same cos/sin)"]
 ROPE = ["RoPE of q and k (one kernel)"]
+# The expert sort of every grouped_mm MoE layer (patterns/expert_sort.py): sort, the histc
+# input's cast, histc and cumsum in one launch.
+EXPERT_SORT = ["experts: sorted ids, permutation and offsets (one kernel)"]
 MOE_PROJ = [
     "input_layernorm",
     "residual add + post_attention_layernorm",
     "router: softmax (or top-k then softmax), top-k, renormalisation",
+    *EXPERT_SORT,
     "experts' act(gate) * up",
     "sum over the k experts + residual add",
 ]
@@ -50,6 +56,7 @@ DEEPSEEK_V3_PROJ = [
     "residual add + post_attention_layernorm (+ the gate's fp32 cast)",
     "gate: sigmoid + correction bias, per-group top-2 sums (before the in-place group mask)",
     "gate: masked scores, top-k, gather, renormalisation, scaling (after it)",
+    *EXPERT_SORT,
     "routed experts' act(gate) * up",
     "shared expert's act(gate) * up",
     "sum over the k experts + shared expert + residual add",
@@ -64,6 +71,7 @@ DEEPSEEK_V4_PROJ = [
     "attention mHC post merged with the FFN pre's mix statistics",
     "FFN mHC pre: split, Sinkhorn, combine, post_attention_layernorm",
     "router: sqrt-softplus, biased top-k, gather, renormalisation",
+    *EXPERT_SORT,
     "routed experts' clamped SwiGLU",
     "shared expert's clamped SwiGLU",
     "FFN mHC post: routed + shared, stream expand and mix",

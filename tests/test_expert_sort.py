@@ -1,0 +1,248 @@
+"""The expert-offset preparation of grouped-GEMM MoE (patterns/expert_sort.py): the kernel
+against plain PyTorch over odd and realistic sizes, ties, out-of-range ids and both histc
+spellings; the chain fused in transformers' own MoE layers; validation that is blind to the
+order an unstable sort gives equal ids, and only to that."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+from examples.zoo import layers as zoo
+from fuser.api import _ties_in_order
+from fuser.emit import KernelSpec, emit
+from fuser.lower import Operand
+
+OUTPUTS = ("sorted_ids", "perm", "offsets")
+
+
+def expert_sort_kernel(num_experts: int, outputs=OUTPUTS):
+    """The rendered kernel module and its launcher, for ``num_experts`` bins."""
+    dtypes = dict(sorted_ids=torch.int64, perm=torch.int64, offsets=torch.int32)
+    operands = [
+        Operand(name, name, (num_experts,) if name == "offsets" else (), dtypes[name], name != "offsets") for name in outputs
+    ]
+    spec = KernelSpec(
+        "expert_sort", "expert_sort", [Operand("in0", "expert_ids", (), torch.int64, True)], operands,
+        {"bins": num_experts, "top": num_experts - 1},
+    )  # fmt: skip
+    return emit(spec)
+
+
+def reference(expert_ids: torch.Tensor, num_experts: int, count_int32: bool = False):
+    """Stable sort, and the cumulative histc counts of the ids cast as transformers casts them."""
+    sorted_ids, perm = torch.sort(expert_ids, stable=True)
+    if count_int32:  # CUDA's .int() spelling; the CPU's histc takes no integers, so count directly
+        wrapped = sorted_ids.int().long()
+        counts = torch.stack([(wrapped == e).sum() for e in range(num_experts)])
+    else:
+        counts = torch.histc(sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
+    return sorted_ids, perm, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def routed_ids(T: int, k: int, E: int, seed: int) -> torch.Tensor:
+    """top_k_index.reshape(-1) as a router makes it: k distinct experts per token."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=generator)
+    return scores.topk(min(k, E), dim=-1).indices.reshape(-1)
+
+
+def assert_same(got, expected):
+    for name, g, e in zip(OUTPUTS, got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"{name}: {g.dtype} {tuple(g.shape)} vs {e.dtype} {tuple(e.shape)}"
+        assert torch.equal(g, e), f"{name}: {int((g != e).sum())} of {g.numel()} elements differ"
+
+
+# (T, k, E): every T, k and E at least twice, S = T * k from 1 to 4096.
+SIZES = [
+    (1, 1, 8), (1, 8, 256), (3, 2, 60), (3, 4, 32), (16, 8, 128), (16, 1, 60), (100, 2, 8),
+    (100, 4, 256), (512, 1, 32), (512, 2, 128), (512, 8, 60),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("T,k,E", SIZES, ids=[f"T{t}-k{k}-E{e}" for t, k, e in SIZES])
+def test_kernel_matches_a_stable_sort_and_histc(T, k, E):
+    _, launch = expert_sort_kernel(E)
+    ids = routed_ids(T, k, E, seed=T * 1000 + k * 10 + E)
+    assert_same(launch(ids), reference(ids, E))
+
+
+def test_ties_keep_the_order_of_their_positions():
+    _, launch = expert_sort_kernel(8)
+    for ids in (torch.full((37,), 5), torch.arange(40).flip(0) % 3, torch.tensor([7, 0, 7, 0, 7, 0, 7])):
+        expected = reference(ids, 8)
+        assert_same(launch(ids), expected)
+        assert not torch.equal(expected[1], torch.arange(ids.numel())) or ids.unique().numel() == 1
+
+
+def test_ids_out_of_range_sort_by_value_and_are_not_counted():
+    """Expert parallelism's sentinels (ids >= E), negative ids, and ids beyond 2**49, whose sort
+    takes the two-pass path."""
+    _, launch = expert_sort_kernel(32)
+    base = routed_ids(50, 4, 32, seed=1)
+    sentinels = base.clone()
+    sentinels[::5] = 32
+    sentinels[1::7] = 40
+    sentinels[2::9] = -1
+    huge = sentinels.clone()
+    huge[3::11] = 2**62
+    huge[4::13] = -(2**62) + 7
+    huge[5::17] = 2**40 + 3
+    for ids in (sentinels, huge):
+        expected = reference(ids, 32)
+        assert int(expected[2][-1]) < ids.numel()  # some ids were dropped from the counts
+        assert_same(launch(ids), expected)
+
+
+def test_int32_spelling_counts_the_wrapped_ids():
+    """On CUDA transformers counts ``expert_ids_g.int()``: an id of 2**32 + 3 counts as 3 there
+    (and not at all through ``.float()``, the CPU spelling)."""
+    path, _ = expert_sort_kernel(8)
+    module = _module_of(path)
+    ids = torch.tensor([2**32 + 3, 1, 3, 9, -1, 2**33, 0, 7, 7])
+    for count_int32 in (False, True):
+        sorted_ids = torch.empty_like(ids)
+        perm = torch.empty_like(ids)
+        offsets = torch.empty(8, dtype=torch.int32)
+        kernel = next(v for k, v in vars(module).items() if k.endswith("_kernel"))
+        kernel[(1,)](ids, 1, ids.numel(), sorted_ids, 1, perm, 1, offsets, 1, COUNT_INT32=count_int32, BLOCK=16)
+        assert_same((sorted_ids, perm, offsets), reference(ids, 8, count_int32=count_int32))
+    assert not torch.equal(reference(ids, 8, True)[2], reference(ids, 8, False)[2])
+
+
+def _module_of(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"expert_sort_test_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_outputs_nobody_reads_are_not_stored():
+    path, launch = expert_sort_kernel(8, outputs=("perm", "offsets"))
+    source = path.read_text()
+    assert "sorted_ids_ptr" not in source and "perm_ptr" in source
+    ids = routed_ids(9, 2, 8, seed=3)
+    perm, offsets = launch(ids)
+    _, expected_perm, expected_offsets = reference(ids, 8)
+    assert torch.equal(perm, expected_perm) and torch.equal(offsets, expected_offsets)
+
+
+def test_more_ids_than_one_program_sorts_run_the_eager_ops():
+    path, launch = expert_sort_kernel(8)
+    module = _module_of(path)
+    ids = routed_ids(1100, 8, 8, seed=4)  # 8800 > MAX_IDS
+    assert ids.numel() > module.MAX_IDS
+    sorted_ids, perm, offsets = launch(ids)
+    expected = reference(ids, 8)
+    assert torch.equal(sorted_ids, expected[0]) and torch.equal(offsets, expected[2])
+    assert torch.equal(ids[perm], sorted_ids) and torch.equal(perm.sort().values, torch.arange(ids.numel()))
+
+
+# --- in a model ---------------------------------------------------------------------------------
+class GroupedExperts(nn.Module):
+    """transformers' grouped_mm experts path (integrations/moe.py) with its expert GEMMs
+    replaced by a per-row scale: sort by expert, offsets, gather, restore the order, sum."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        num_top_k = top_k_index.size(-1)
+        expert_ids = top_k_index.reshape(-1)
+        expert_ids_g, perm = torch.sort(expert_ids)
+        selected = hidden_states[perm // num_top_k]
+        weights_g = top_k_weights.reshape(-1)[perm]
+        device = hidden_states.device
+        histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
+        tokens_per_expert = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        out = selected * weights_g.unsqueeze(-1)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0), device=device)
+        out = out[inv_perm].view(hidden_states.shape[0], num_top_k, -1).sum(dim=1)
+        return out, offsets
+
+
+def _experts_inputs(T, k, E, seed, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, 16, generator=generator)
+    top_k_index = torch.randint(0, E, (T, k), generator=generator)  # repeats: ties across and within rows
+    top_k_weights = torch.rand(T, k, generator=generator)
+    return tuple(x.to(device) for x in (hidden, top_k_index, top_k_weights))
+
+
+def test_validation_accepts_another_order_of_equal_ids():
+    """At 128 ids the CPU's torch.sort orders equal ids differently from a stable sort; the
+    kernel's stable order is still a valid result, so the chain is fused and the layer agrees."""
+    inputs = _experts_inputs(64, 2, 8, seed=5)
+    ids = inputs[1].reshape(-1)
+    assert not torch.equal(torch.sort(ids).indices, torch.sort(ids, stable=True).indices)  # the case at hand
+    module = GroupedExperts(8)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    assert [c.pattern for c in result.report.chains if c.pattern == "expert_sort"] == ["expert_sort"], result.report.text()
+    assert not [r for r in result.report.rejected if r.pattern == "expert_sort"], result.report.text()
+
+
+def test_validation_still_catches_a_wrong_permutation():
+    keys = torch.tensor([0, 0, 1, 1, 1, 4])
+    stable = torch.tensor([2, 5, 0, 3, 4, 1])  # positions of ids [1, 4, 0, 1, 1, 0] sorted stably
+    ties_swapped = torch.tensor([5, 2, 4, 0, 3, 1])
+    wrong = torch.tensor([2, 0, 5, 3, 4, 1])  # 0 and 5 swapped across two runs
+    repeated = torch.tensor([2, 2, 0, 3, 4, 1])
+    assert torch.equal(_ties_in_order(ties_swapped, keys, 0), stable)
+    assert not torch.equal(_ties_in_order(wrong, keys, 0), stable)
+    assert not torch.equal(_ties_in_order(repeated, keys, 0), stable)
+
+
+def test_unmatched_histc_range_stays_eager():
+    """histc over bins 0..E-1 counts ids in their own bins; another range is other math."""
+
+    class OtherRange(GroupedExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+            counts = torch.histc(expert_ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts)
+            return hidden_states[perm // 2] * 2, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+    report = fuser.explain(OtherRange(8), _experts_inputs(5, 2, 8, seed=6))
+    assert not [c for c in report.chains if c.pattern == "expert_sort"]
+    assert {"sort", "histc", "cumsum"} <= {u.op for u in report.unfused}
+    (rejection,) = [r for r in report.rejected if r.pattern == "expert_sort"]
+    assert "constraint" in rejection.reason and "top=8" in rejection.reason
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_proj", "mixtral_proj", "gpt_oss_proj", "deepseek_v3_proj"])
+def test_transformers_moe_layers_fuse_the_expert_sort(name):
+    layer, args, kwargs = zoo.FACTORIES[name](T=3, dtype=torch.float32)
+    result = fuser.check(layer, args, example_kwargs=kwargs)
+    assert result.ok, result.problems
+    report = result.report
+    (chain,) = [c for c in report.chains if c.pattern == "expert_sort"]
+    assert chain.launches_replaced == 4, report.text()  # sort, the histc input's cast, histc, cumsum
+    left = {u.op for u in report.unfused}
+    assert not left & {"sort", "histc", "cumsum", "cast"}, report.text()
+
+
+# --- on the GPU: compiled Triton, and CUDA's .int() spelling --------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,E", SIZES, ids=[f"T{t}-k{k}-E{e}" for t, k, e in SIZES])
+def test_compiled_kernel_matches_a_stable_sort_and_histc(T, k, E):
+    _, launch = expert_sort_kernel(E)
+    ids = routed_ids(T, k, E, seed=T + k + E).cuda()
+    ids[::7] = E  # a sentinel
+    expected = reference(ids, E)
+    got = launch(ids)
+    assert_same(got, expected)
+    counts = torch.histc(expected[0].int(), bins=E, min=0, max=E - 1)  # CUDA's own spelling
+    assert torch.equal(got[2], torch.cumsum(counts, dim=0, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_cuda_spelling_of_the_histc_input_is_matched():
+    module = GroupedExperts(8)
+    result = fuser.check(module, _experts_inputs(64, 2, 8, seed=7, device="cuda"))
+    assert result.ok, result.problems
+    assert [c.pattern for c in result.report.chains if c.pattern == "expert_sort"] == ["expert_sort"], result.report.text()
