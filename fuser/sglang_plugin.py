@@ -2,31 +2,37 @@
 
     FUSER_ENABLE=1 python -m sglang.launch_server --model-path ...
 
+This is the sglang adapter of :mod:`fuser.serving` (which holds the engine-neutral parts:
+the mode splice, lazy fusion at the first eligible call, the capture checks, the options).
+What is sglang's here: its hooks, its class names, ``forward_batch`` and
+``model._derived_weight_cache_error``.
+
 sglang runs the plugins of the ``sglang.srt.plugins`` entry-point group in every scheduler
 process (they are spawned: a patch made in the launcher would never reach the model).
-:func:`register` adds an AFTER hook on ``ModelRunner.initialize``: the model is loaded,
-quantised and post-processed there, and no KV sizing, warm-up or capture has run yet
-(SGLANG.md §3). The hook skips draft workers and ``--enable-torch-compile`` servers, then
-puts every decoder layer of a known class under a *decode splice*:
+:func:`register` does two things there:
 
-* The layer's ``forward`` is wrapped (``functools.wraps``: sglang reads its signature). A call
-  whose ``forward_batch.forward_mode.is_decode()`` runs with "decode" set; any other mode
-  (extend, mixed, idle, target-verify, ...) runs exactly the original code.
-* Inside the layer, fuser fuses the *tensor-level* modules: the topmost submodules whose
-  forward takes no ``forward_batch`` (a module that does take one threads Python state
-  through its forward and is searched, not traced). Each is fused at its first decode call,
-  with that call's real inputs as the example — sglang's decode warm-ups, which run before
-  any capture, are that first call. The fused forward is guarded on "decode", so a prefill
-  through the same module stays eager.
-* A module that cannot be fused stays eager and is logged once with the reason
-  (``FUSER_STRICT=1`` raises instead). A first decode call that arrives while a CUDA graph is
-  being captured raises: fuser never traces or compiles inside a capture.
-* Values fuser computes from weights at fuse time are declared to sglang through
-  ``model._derived_weight_cache_error``: a weight update must re-run fuser.
+* **The compile seam** (:mod:`fuser.sglang_seam`): sglang's ``compile_in_capture_mode``,
+  which ``torch.compile``s two DeepSeek-V4 glue closures while capture mode is on, is
+  replaced by fuser's, in ``capture_mode`` and in every module that imported it. Each
+  closure is fused at its first call outside a capture and runs fused from then on; it is
+  never compiled. ``FUSER_COMPILE_SEAM=0`` leaves sglang's decorator alone.
+* **The decode splice**: an AFTER hook on ``ModelRunner.initialize``, where the model is
+  loaded, quantised and post-processed and no KV sizing, warm-up or capture has run yet
+  (SGLANG.md §3). It skips draft workers and ``--enable-torch-compile`` servers, then puts
+  every decoder layer of a known class (also by the name of an alias: sglang's
+  ``DeepseekV4DecoderLayer`` is the CUDA class on CUDA and the platform class elsewhere)
+  under a :class:`fuser.serving.ModeSplice` that only ``forward_batch.forward_mode.is_decode()``
+  calls take. Inside a layer, the fusion targets are the topmost submodules that are not
+  sglang leaves (:func:`is_leaf`: ``LinearBase`` GEMMs, ``FusedMoE``, ``RadixAttention``,
+  every ``BaseFusedOp``) and whose forward — the method sglang calls — takes no
+  ``forward_batch``. Each is fused at its first decode call (sglang's warm-ups), with that
+  call's inputs as the example. Values fuser computes from weights at fuse time are declared
+  through ``model._derived_weight_cache_error``: a weight update must re-run fuser.
 
 Configuration (environment, inherited by the scheduler processes):
 
     FUSER_ENABLE=1              turn the plugin on (off by default)
+    FUSER_COMPILE_SEAM=0        keep sglang's compile_in_capture_mode (default: fuser's)
     FUSER_LAYERS=A,B            decoder-layer class names (default: sglang's DeepseekV4 layers)
     FUSER_PATTERNS=a.py:b.py    extra pattern files (os.pathsep-separated)
     FUSER_LEAVES=x,y            extra opaque leaves (module paths, class or function names)
@@ -40,62 +46,42 @@ Configuration (environment, inherited by the scheduler processes):
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
-import os
-import threading
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 
+from fuser import serving
+from fuser.serving import (
+    SPLICE_ATTR,
+    LazyFusion,
+    ModeSplice,
+    fusion_targets,
+    target_decisions,
+    uninstall,
+)
+
 log = logging.getLogger("fuser")
 
 INITIALIZE = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
-# sglang's DSv4 layer classes: the CUDA one, and the alias that names the platform class on CPU.
+# sglang's DSv4 layer classes: the CUDA one, and the alias that names the platform class off CUDA.
 DEFAULT_LAYERS = ("DeepseekV4CudaDecoderLayer", "DeepseekV4DecoderLayer")
 DERIVED_CACHE_ATTR = "_derived_weight_cache_error"
-SPLICE_ATTR = "_fuser_decode_splice"
 
-
-def _flag(environ, name: str) -> bool:
-    return environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _names(environ, name: str, separator: str = ",") -> tuple[str, ...]:
-    return tuple(x.strip() for x in environ.get(name, "").split(separator) if x.strip())
+#: sglang's module classes that are leaves, never fusion targets: (module, class name).
+LEAF_CLASSES = (
+    ("sglang.srt.layers.linear", "LinearBase"),  # every GEMM layer (not torch.nn.Linear)
+    ("sglang.srt.layers.moe.fused_moe_triton.layer", "FusedMoE"),  # the routed experts
+    ("sglang.srt.layers.radix_attention", "RadixAttention"),
+    ("sglang.kernels.fused_op", "BaseFusedOp"),  # RMSNorm, TopK, ...: sglang's own kernels
+)
 
 
 @dataclass(frozen=True)
-class Options:
-    enable: bool = False
+class Options(serving.Options):
     layers: tuple[str, ...] = DEFAULT_LAYERS
-    patterns: tuple[str, ...] = ()
-    leaves: tuple[str, ...] = ()
-    draft: bool = False
-    strict: bool = False
-    precompute: bool = True  # parameter-only glue computed once at fuse time
-
-    @classmethod
-    def from_env(cls, environ=None) -> "Options":
-        environ = os.environ if environ is None else environ
-        return cls(
-            enable=_flag(environ, "FUSER_ENABLE"),
-            layers=_names(environ, "FUSER_LAYERS") or DEFAULT_LAYERS,
-            patterns=_names(environ, "FUSER_PATTERNS", os.pathsep),
-            leaves=_names(environ, "FUSER_LEAVES"),
-            draft=_flag(environ, "FUSER_DRAFT"),
-            strict=_flag(environ, "FUSER_STRICT"),
-            precompute=environ.get("FUSER_PRECOMPUTE", "1").strip().lower() not in ("0", "false", "no", "off"),
-        )
-
-    def apply_options(self) -> dict:
-        options = {} if self.precompute else {"precompute": False}
-        if self.patterns:
-            options["patterns"] = list(self.patterns)
-        if self.leaves:
-            options["leaves"] = list(self.leaves)
-        return options
 
 
 # ------------------------------------------------------------------------------------------
@@ -104,42 +90,48 @@ class Options:
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: hook ``ModelRunner.initialize`` if enabled."""
-    if not Options.from_env().enable:
+    """The ``sglang.srt.plugins`` entry point: if enabled, replace the compile seam and hook
+    ``ModelRunner.initialize`` (``HookRegistry.apply_hooks``, run by sglang's plugin loader
+    right after, applies both)."""
+    options = Options.from_env()
+    if not options.enable:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if options.compile_seam:
+        from fuser import sglang_seam
+
+        sglang_seam.register()
     HookRegistry.register(INITIALIZE, after_initialize, HookType.AFTER)
 
 
 def after_initialize(result, runner, *args, **kwargs):
     """AFTER hook on ``ModelRunner.initialize(self)``; returns None to keep its result."""
     options = Options.from_env()
+    if options.compile_seam:
+        from fuser import sglang_seam
+
+        rebound = sglang_seam.rebind_stale_copies()
+        if rebound:
+            log.info("fuser: compile seam rebound in %s", ", ".join(rebound))
     if getattr(runner, "is_draft_worker", False) and not options.draft:
         log.info("fuser: draft worker left as it is (FUSER_DRAFT=1 fuses it too)")
-        return None
+        return
     server_args = getattr(runner, "server_args", None)
     if getattr(server_args, "enable_torch_compile", False):
         log.warning("fuser: skipped: --enable-torch-compile is on and would re-trace the fused forward")
-        return None
+        return
     if getattr(server_args, "startup_weight_load_mode", "serial") == "overlap":
         # The real weights are copied in after capture: nothing may be computed from them now.
         options = replace(options, precompute=False)
     splices = install(runner.model, options)
     log.info("fuser: %d decoder layers under the decode splice", len(splices))
-    return None
+    return
 
 
 # ------------------------------------------------------------------------------------------
-# The decode splice
+# What sglang's classes mean to fuser
 # ------------------------------------------------------------------------------------------
-
-_DECODE = threading.local()
-
-
-def decode_active() -> bool:
-    """True while a spliced layer runs a decode forward (in this thread)."""
-    return getattr(_DECODE, "depth", 0) > 0
 
 
 def is_decode(forward_batch) -> bool:
@@ -147,13 +139,83 @@ def is_decode(forward_batch) -> bool:
     return mode is not None and bool(mode.is_decode())
 
 
-def install(model: torch.nn.Module, options: Options) -> list["DecodeSplice"]:
+def decode_call(arguments: dict) -> bool:
+    """Does a layer call (its bound arguments) run in decode mode?"""
+    return is_decode(arguments.get("forward_batch"))
+
+
+decode_active = serving.mode_active
+
+
+def leaf_types() -> tuple[type, ...]:
+    """The leaf classes of :data:`LEAF_CLASSES` that the installed sglang has."""
+    found = []
+    for module_name, class_name in LEAF_CLASSES:
+        try:
+            module = __import__(module_name, fromlist=[class_name])
+        except ImportError as e:
+            log.debug("fuser: %s.%s not importable (%s)", module_name, class_name, e)
+            continue
+        cls = getattr(module, class_name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def is_leaf(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> bool:
+    """A module fuser keeps opaque and never fuses: a GEMM, attention, the experts, one of
+    sglang's own kernels, or a class marked ``@fuser.opaque``."""
+    from fuser.opaque import is_opaque
+    from fuser.trace import DEFAULT_LEAF_TYPES
+
+    return isinstance(module, DEFAULT_LEAF_TYPES + leaf_types() + extra) or is_opaque(type(module))
+
+
+def called_method(module: torch.nn.Module):
+    """The method sglang's call of ``module`` runs: ``forward``, or for a ``forward(*args,
+    **kwargs)`` that dispatches (sglang's multi-platform ops) the method it resolved to."""
+    forward = module.forward
+    if not _takes_anything(forward):
+        return forward
+    for name in ("_forward_method", "forward_native"):
+        method = getattr(module, name, None)
+        if callable(method) and not _takes_anything(method):
+            return method
+    return forward
+
+
+def _takes_anything(function) -> bool:
+    kinds = {p.kind for p in inspect.signature(function).parameters.values()}
+    return inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.VAR_KEYWORD in kinds
+
+
+def takes_forward_batch(module: torch.nn.Module) -> bool:
+    """Does the method sglang calls take ``forward_batch`` (or take anything at all, so that it
+    cannot be told)? Such a module is searched for targets, not traced."""
+    method = called_method(module)
+    return _takes_anything(method) or "forward_batch" in inspect.signature(method).parameters
+
+
+def layer_class_matches(cls: type, names: tuple[str, ...]) -> bool:
+    """Is ``cls`` named in ``names``, by its own name or by an alias in its module (sglang's
+    ``DeepseekV4DecoderLayer`` is the platform class off CUDA)?"""
+    if cls.__name__ in names:
+        return True
+    home = sys.modules.get(cls.__module__)
+    return home is not None and any(getattr(home, name, None) is cls for name in names)
+
+
+# ------------------------------------------------------------------------------------------
+# The decode splice
+# ------------------------------------------------------------------------------------------
+
+
+def install(model: torch.nn.Module, options: Options) -> list[ModeSplice]:
     """Put every decoder layer of ``model`` whose class is in ``options.layers`` under a
-    decode splice. Nothing is traced here: each tensor-level module is fused at its first
-    decode call."""
+    decode splice. Nothing is traced here: each target is fused at its first decode call."""
     splices = []
     for name, module in model.named_modules():
-        if type(module).__name__ not in options.layers or SPLICE_ATTR in module.__dict__:
+        if not layer_class_matches(type(module), options.layers) or SPLICE_ATTR in module.__dict__:
             continue
         if any(name.startswith(s.name + ".") for s in splices):
             continue  # inside a layer already spliced
@@ -161,154 +223,45 @@ def install(model: torch.nn.Module, options: Options) -> list["DecodeSplice"]:
             log.warning("fuser: %s (%s) takes no forward_batch: decode and prefill cannot be told "
                         "apart, left eager", name, type(module).__name__)
             continue
-        splices.append(DecodeSplice(model, name, module, options))
+        targets = fusion_targets(module, is_leaf, takes_forward_batch)
+        if not targets:
+            log.info("fuser: %s (%s): no submodule to fuse (GEMMs, experts, attention and sglang's "
+                     "own kernels are leaves; the rest takes forward_batch); its mHC glue is fused "
+                     "through the compile seam", name, type(module).__name__)
+            continue
+        on_fused = lambda target, model=model: declare_weight_caches(model, target)
+        splices.append(ModeSplice(name, module, decode_call, targets, options, on_fused, leaf_types()))
     return splices
 
 
-def uninstall(model: torch.nn.Module) -> None:
-    """Undo :func:`install` and every fusion it made."""
-    for module in model.modules():
-        splice = module.__dict__.get(SPLICE_ATTR)
-        if splice is not None:
-            splice.remove()
+def decisions(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """What the plugin decides for each submodule of a decoder layer: leaf, searched or target."""
+    return target_decisions(layer, is_leaf, takes_forward_batch)
 
 
-class DecodeSplice:
-    """One decoder layer: its forward wrapped with the decode switch, its tensor-level
-    submodules wrapped to fuse themselves at their first decode call."""
+def declare_weight_caches(model: torch.nn.Module, target: LazyFusion) -> None:
+    """Tell sglang's weight updater that ``target`` holds values computed from weights."""
+    from fuser.splice import STATE_ATTR
 
-    def __init__(self, model, name: str, layer: torch.nn.Module, options: Options):
-        self.model, self.name, self.layer, self.options = model, name, layer, options
-        self.original = layer.__dict__.get("forward")
-        eager = layer.forward
-        binder = inspect.signature(eager)
-
-        @functools.wraps(eager)
-        def forward(*args, **kwargs):
-            bound = binder.bind_partial(*args, **kwargs)
-            if not is_decode(bound.arguments.get("forward_batch")):
-                return eager(*args, **kwargs)
-            _DECODE.depth = getattr(_DECODE, "depth", 0) + 1
-            try:
-                return eager(*args, **kwargs)
-            finally:
-                _DECODE.depth -= 1
-
-        layer.forward = forward
-        object.__setattr__(layer, SPLICE_ATTR, self)
-        self.targets = [LazyFusion(self, f"{name}.{path}" if name else path, m)
-                        for path, m in tensor_level_modules(layer)]
-
-    def remove(self) -> None:
-        for target in self.targets:
-            target.remove()
-        if self.original is None:
-            del self.layer.forward
-        else:
-            self.layer.forward = self.original
-        del self.layer.__dict__[SPLICE_ATTR]
+    state = target.module.__dict__.get(STATE_ATTR)
+    if state is not None and state.constants:
+        object.__setattr__(
+            model, DERIVED_CACHE_ATTR,
+            "fuser holds values computed from the weights at fuse time (e.g. "
+            f"{target.name}: {', '.join(state.constants)}); CUDA graphs and fused kernels would "
+            "not see updated weights: restart the server (or re-run fuser) after a weight update",
+        )
 
 
-def tensor_level_modules(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The topmost submodules of ``layer`` whose forward takes no ``forward_batch``."""
-    from fuser.trace import DEFAULT_LEAF_TYPES
-    from fuser.opaque import is_opaque
-
-    found = []
-
-    def visit(prefix: str, module: torch.nn.Module):
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, DEFAULT_LEAF_TYPES) or is_opaque(type(child)):
-                continue  # GEMMs, embeddings and marked leaves are never fused
-            if "forward_batch" in inspect.signature(child.forward).parameters:
-                visit(path, child)
-            else:
-                found.append((path, child))
-
-    visit("", layer)
-    return found
-
-
-class LazyFusion:
-    """Fuses one tensor-level module at its first decode call (outside any capture)."""
-
-    def __init__(self, splice: DecodeSplice, name: str, module: torch.nn.Module):
-        self.splice, self.name, self.module = splice, name, module
-        self.original = module.__dict__.get("forward")
-        self.state = "waiting"  # -> "fused" | "eager"
-        eager = module.forward
-
-        @functools.wraps(eager)
-        def forward(*args, **kwargs):
-            if self.state == "waiting" and decode_active():
-                self.fuse(args, kwargs)
-            return self.module_forward(*args, **kwargs)
-
-        self.module_forward = eager
-        module.forward = forward
-
-    def fuse(self, args, kwargs) -> None:
-        import fuser
-
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise fuser.FuserError(
-                f"fuser: the first decode call of {self.name} ({type(self.module).__name__}) came "
-                "during CUDA-graph capture; fuser traces and compiles before capture only, so run "
-                "a decode warm-up first (sglang's capture runs two per batch size)"
-            )
-        bound = inspect.signature(self.module_forward).bind(*args, **kwargs)
-        if bound.kwargs:
-            self._give_up(f"keyword-only arguments {sorted(bound.kwargs)} cannot be traced")
-            return
-        wrapper = self.module.forward
-        del self.module.forward  # fuse the module's own forward, not this wrapper
-        if self.original is not None:
-            self.module.forward = self.original
-        try:
-            report = fuser.apply(self.module, bound.args, guard=lambda *a, **k: decode_active(),
-                                 **self.splice.options.apply_options())
-        except fuser.FuserError as e:
-            self._give_up(str(e))
-            return
-        finally:
-            self.module_forward = self.module.forward
-            self.module.forward = wrapper
-        self.state = "fused"
-        log.info("fuser: %s fused: %d glue launches -> %d", self.name, report.launches_before,
-                 report.launches_after)
-        self._declare_weight_caches()
-
-    def _give_up(self, reason: str) -> None:
-        import fuser
-
-        self.state = "eager"
-        if self.splice.options.strict:
-            raise fuser.FuserError(f"fuser: {self.name} cannot be fused: {reason}")
-        log.warning("fuser: %s left eager: %s", self.name, reason)
-
-    def _declare_weight_caches(self) -> None:
-        from fuser.splice import STATE_ATTR
-
-        state = self.module.__dict__.get(STATE_ATTR)
-        if state is not None and state.constants:
-            object.__setattr__(
-                self.splice.model, DERIVED_CACHE_ATTR,
-                "fuser holds values computed from the weights at fuse time (e.g. "
-                f"{self.name}: {', '.join(state.constants)}); CUDA graphs and fused kernels would "
-                "not see updated weights: restart the server (or re-run fuser) after a weight update",
-            )
-
-    def remove(self) -> None:
-        from fuser.splice import is_fused, restore
-
-        if is_fused(self.module):
-            self.module.forward = self.module_forward  # the guarded forward fuser installed
-            restore(self.module)
-        if self.original is None:
-            self.module.__dict__.pop("forward", None)
-        else:
-            self.module.forward = self.original
-
-
-__all__ = ["register", "after_initialize", "install", "uninstall", "Options", "decode_active", "is_decode"]
+__all__ = [
+    "Options",
+    "after_initialize",
+    "decode_active",
+    "install",
+    "is_decode",
+    "is_leaf",
+    "layer_class_matches",
+    "register",
+    "takes_forward_batch",
+    "uninstall",
+]

@@ -22,13 +22,14 @@ from helpers import ROOT
 ENV_DIR = ROOT / "tests" / "sglang_env"
 
 
-def run_python(code_or_file, env_extra: dict) -> dict:
+def run_python(code_or_file, env_extra: dict, argv: list[str] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSER_")}
     env.update(env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ENV_DIR), str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_INTERPRET", "1")
     args = [sys.executable, str(code_or_file)] if str(code_or_file).endswith(".py") else [
         sys.executable, "-c", code_or_file]
+    args += list(argv)
     proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("FUSER-RESULT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -142,9 +143,19 @@ def test_untraceable_module_stays_eager_or_raises_when_strict(scenarios):
     assert "plugin_scenarios.py:" in scenarios["strict_error"] and ".item()" in scenarios["strict_error"]
 
 
-def test_first_decode_call_during_capture_raises(scenarios):
-    assert "during CUDA-graph capture" in scenarios["capture_error"]
-    assert "layers.0.inner" in scenarios["capture_error"]
+def test_first_decode_call_during_capture_runs_eager_and_is_logged(scenarios):
+    assert scenarios["capture_fused"] is False and scenarios["capture_mismatch"] is None
+    (message,) = [m for m in scenarios["capture_log"] if "during CUDA-graph capture" in m]
+    assert "layers.0.inner" in message and "runs eager" in message
+
+
+def test_first_decode_call_during_capture_raises_when_strict(scenarios):
+    assert "layers.0.inner" in scenarios["capture_strict_error"]
+    assert "during CUDA-graph capture" in scenarios["capture_strict_error"]
+
+
+def test_a_call_after_the_capture_fuses(scenarios):
+    assert scenarios["fused_after_capture"] is True
 
 
 def test_options_from_env():
@@ -158,3 +169,11 @@ def test_options_from_env():
     assert opts.layers == ("A", "B") and opts.leaves == ("x",) and opts.patterns == ("p.py", "q.py")
     assert opts.apply_options() == {"patterns": ["p.py", "q.py"], "leaves": ["x"]}
     assert Options.from_env({"FUSER_PRECOMPUTE": "0"}).apply_options() == {"precompute": False}
+    assert opts.compile_seam and not Options.from_env({"FUSER_COMPILE_SEAM": "0"}).compile_seam
+
+
+def test_a_bad_flag_value_is_an_error_naming_the_variable():
+    from fuser.sglang_plugin import Options
+
+    with pytest.raises(ValueError, match="FUSER_STRICT='maybe'"):
+        Options.from_env({"FUSER_STRICT": "maybe"})

@@ -28,6 +28,7 @@ import fuser
 from fuser import sglang_plugin
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import LAYER, mismatch
+from sglang_cpu import captured_log
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -203,15 +204,29 @@ def main() -> dict:
     out["overlap_new_weights_mismatch"] = mismatch(call(runner.model, ForwardMode.DECODE, inputs), fresh,
                                                    "after a weight copy", LAYER)
 
-    # The first decode call during a CUDA-graph capture raises instead of tracing there.
+    # The first decode call during a CUDA-graph capture runs eager (logged) instead of
+    # tracing there; FUSER_STRICT=1 raises; a later call outside the capture fuses.
     runner = new_runner(dsv4_model)
+    inner = runner.model.layers[0].inner
+    real_available, real_capturing = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
     torch.cuda.is_available = lambda: True
     torch.cuda.is_current_stream_capturing = lambda: True
+    with captured_log() as messages:
+        during = call(runner.model, ForwardMode.DECODE, inputs)
+    out["capture_log"] = messages
+    out["capture_fused"] = fuser.is_fused(inner)
+    out["capture_mismatch"] = mismatch(during, call(runner.model, ForwardMode.EXTEND, inputs), "in capture", LAYER)
+    os.environ["FUSER_STRICT"] = "1"
+    strict_runner = new_runner(dsv4_model)
     try:
-        call(runner.model, ForwardMode.DECODE, inputs)
-        out["capture_error"] = None
+        call(strict_runner.model, ForwardMode.DECODE, inputs)
+        out["capture_strict_error"] = None
     except fuser.FuserError as e:
-        out["capture_error"] = str(e)
+        out["capture_strict_error"] = str(e)
+    del os.environ["FUSER_STRICT"]
+    torch.cuda.is_available, torch.cuda.is_current_stream_capturing = real_available, real_capturing
+    call(runner.model, ForwardMode.DECODE, inputs)
+    out["fused_after_capture"] = fuser.is_fused(inner)
     return out
 
 

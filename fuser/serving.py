@@ -1,0 +1,469 @@
+"""serving: fuse inside a serving engine, lazily and never inside a CUDA-graph capture.
+
+Engine-neutral; an engine adapter (``fuser/sglang_plugin.py``) decides *which* layers and
+calls qualify and supplies its engine's facts (its leaf classes, how a call says "decode").
+
+* :class:`ModeSplice` wraps a layer's ``forward``: a call the adapter's predicate accepts
+  (sglang: ``forward_batch.forward_mode.is_decode()``) runs with the mode set
+  (:func:`mode_active`); any other call runs exactly the original code.
+* :func:`fusion_targets` picks the submodules of a layer to fuse: the topmost ones that are
+  neither leaves nor take the engine's per-call state.
+* :class:`LazyFusion` fuses one module at its first call while the mode is set, with that
+  call's real inputs as the example (an engine's warm-ups, which run before any capture,
+  are that call). Its fused forward is guarded on the mode.
+* :class:`ClosureSeam` is a decorator for nested helper functions (closures) that an engine
+  would hand to ``torch.compile``: each is fused at its first call on a stream that is not
+  capturing, keyed by its code object and the contents of its closure cells.
+
+Whatever cannot be fused stays eager and is logged once with the reason; ``strict`` raises
+instead. A first call that arrives while the current stream is capturing runs eager (and is
+logged): nothing is ever traced, compiled or validated inside a capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fuser")
+
+
+# ------------------------------------------------------------------------------------------
+# Options (environment variables, inherited by an engine's worker processes)
+# ------------------------------------------------------------------------------------------
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(environ, name: str, default: bool = False) -> bool:
+    """``environ[name]`` read as a boolean; unset or empty gives ``default``."""
+    value = environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={environ[name]!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def env_names(environ, name: str, separator: str = ",") -> tuple[str, ...]:
+    return tuple(x.strip() for x in environ.get(name, "").split(separator) if x.strip())
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the serving integration does; :meth:`from_env` reads the ``FUSER_*`` variables."""
+
+    enable: bool = False  # FUSER_ENABLE
+    layers: tuple[str, ...] = ()  # FUSER_LAYERS: decoder-layer class names (an adapter's default)
+    patterns: tuple[str, ...] = ()  # FUSER_PATTERNS: extra pattern files, os.pathsep-separated
+    leaves: tuple[str, ...] = ()  # FUSER_LEAVES: extra opaque leaves
+    draft: bool = False  # FUSER_DRAFT: also fuse speculative-decoding draft models
+    strict: bool = False  # FUSER_STRICT: raise instead of leaving a module eager
+    precompute: bool = True  # FUSER_PRECOMPUTE: parameter-only glue computed once at fuse time
+    compile_seam: bool = True  # FUSER_COMPILE_SEAM: replace the engine's torch.compile seam
+
+    @classmethod
+    def from_env(cls, environ=None):
+        environ = os.environ if environ is None else environ
+        return cls(
+            enable=env_flag(environ, "FUSER_ENABLE"),
+            layers=env_names(environ, "FUSER_LAYERS") or cls().layers,
+            patterns=env_names(environ, "FUSER_PATTERNS", os.pathsep),
+            leaves=env_names(environ, "FUSER_LEAVES"),
+            draft=env_flag(environ, "FUSER_DRAFT"),
+            strict=env_flag(environ, "FUSER_STRICT"),
+            precompute=env_flag(environ, "FUSER_PRECOMPUTE", True),
+            compile_seam=env_flag(environ, "FUSER_COMPILE_SEAM", True),
+        )
+
+    def apply_options(self) -> dict:
+        """The keyword arguments of :func:`fuser.apply` these options give."""
+        options = {} if self.precompute else {"precompute": False}
+        if self.patterns:
+            options["patterns"] = list(self.patterns)
+        if self.leaves:
+            options["leaves"] = list(self.leaves)
+        return options
+
+
+# ------------------------------------------------------------------------------------------
+# Fusing one module, outside any capture
+# ------------------------------------------------------------------------------------------
+
+
+def capturing() -> bool:
+    """Is the current CUDA stream capturing a graph?"""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Unfusable(Exception):
+    """A module or closure fuser leaves eager; the message says which and why."""
+
+
+def fuse_now(module: torch.nn.Module, args: tuple, kwargs: dict, options: Options, leaves=(), **apply_options):
+    """``fuser.apply`` on one real call's inputs (``leaves``: more opaque leaves, the engine's
+    classes); the report. Raises :class:`Unfusable` when nothing can be fused (the module is
+    then exactly as it was)."""
+    import fuser
+
+    apply_options = {**options.apply_options(), **apply_options}
+    leaves = [*apply_options.pop("leaves", []), *leaves]
+    if leaves:
+        apply_options["leaves"] = leaves
+    try:
+        report = fuser.apply(module, args, example_kwargs=kwargs, **apply_options)
+    except fuser.FuserError as e:
+        raise Unfusable(str(e)) from e
+    if not report.chains:
+        fuser.restore(module)
+        raise Unfusable(f"no glue to fuse ({report.launches_before} glue launches, none fusible)")
+    return report
+
+
+def give_up(name: str, reason: str, options: Options) -> None:
+    """Log that ``name`` stays eager, or raise :class:`fuser.FuserError` when strict."""
+    import fuser
+
+    if options.strict:
+        raise fuser.FuserError(f"fuser: {name} cannot be fused: {reason}")
+    log.warning("fuser: %s left eager: %s", name, reason)
+
+
+def _during_capture(name: str, options: Options) -> None:
+    import fuser
+
+    message = (f"fuser: the first call of {name} came during CUDA-graph capture; it runs eager there "
+               "(fuser traces and compiles only outside a capture: a warm-up call fuses it)")
+    if options.strict:
+        raise fuser.FuserError(message)
+    log.warning("%s", message)
+
+
+# ------------------------------------------------------------------------------------------
+# The mode splice
+# ------------------------------------------------------------------------------------------
+
+_MODE = threading.local()
+SPLICE_ATTR = "_fuser_mode_splice"
+
+
+def mode_active() -> bool:
+    """True while a spliced layer runs a call its adapter accepted (in this thread)."""
+    return getattr(_MODE, "depth", 0) > 0
+
+
+class ModeSplice:
+    """One layer: its forward wrapped so that a call ``accepts(bound_arguments)`` takes runs
+    with :func:`mode_active` set, and its fusion targets wrapped to fuse themselves at their
+    first such call. ``functools.wraps`` keeps the signature (engines read it)."""
+
+    def __init__(self, name: str, layer: torch.nn.Module, accepts: Callable[[dict], bool],
+                 targets: Iterable[tuple[str, torch.nn.Module]], options: Options,
+                 on_fused: Callable[[LazyFusion], None] | None = None, leaves: tuple = ()):
+        self.name, self.layer, self.options = name, layer, options
+        self.original = layer.__dict__.get("forward")
+        eager = layer.forward
+        binder = inspect.signature(eager)
+
+        @functools.wraps(eager)
+        def forward(*args, **kwargs):
+            if not accepts(binder.bind_partial(*args, **kwargs).arguments):
+                return eager(*args, **kwargs)
+            _MODE.depth = getattr(_MODE, "depth", 0) + 1
+            try:
+                return eager(*args, **kwargs)
+            finally:
+                _MODE.depth -= 1
+
+        layer.forward = forward
+        object.__setattr__(layer, SPLICE_ATTR, self)
+        self.targets = [LazyFusion(f"{name}.{path}" if name else path, module, options, on_fused, leaves)
+                        for path, module in targets]
+
+    def remove(self) -> None:
+        """Undo the splice and every fusion it made."""
+        for target in self.targets:
+            target.remove()
+        if self.original is None:
+            del self.layer.forward
+        else:
+            self.layer.forward = self.original
+        del self.layer.__dict__[SPLICE_ATTR]
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Undo every :class:`ModeSplice` in ``model``."""
+    for module in model.modules():
+        splice = module.__dict__.get(SPLICE_ATTR)
+        if splice is not None:
+            splice.remove()
+
+
+def target_decisions(layer: torch.nn.Module, is_leaf: Callable[[torch.nn.Module], bool],
+                     takes_state: Callable[[torch.nn.Module], bool]) -> list[tuple[str, str, str]]:
+    """What :func:`fusion_targets` decides for each submodule it looks at, top down:
+    ``(path, class name, "leaf" | "searched" | "target")``. A leaf (``is_leaf``: GEMMs,
+    attention, experts, the engine's own kernels) is never fused nor looked into; a module
+    that takes the engine's per-call state (``takes_state``) threads Python state through its
+    forward and is searched, not traced; the topmost others are the targets."""
+    decisions = []
+
+    def visit(prefix: str, module: torch.nn.Module):
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if is_leaf(child):
+                decisions.append((path, type(child).__name__, "leaf"))
+            elif takes_state(child):
+                decisions.append((path, type(child).__name__, "searched"))
+                visit(path, child)
+            else:
+                decisions.append((path, type(child).__name__, "target"))
+
+    visit("", layer)
+    return decisions
+
+
+def fusion_targets(layer: torch.nn.Module, is_leaf: Callable[[torch.nn.Module], bool],
+                   takes_state: Callable[[torch.nn.Module], bool]) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules of ``layer`` to fuse (see :func:`target_decisions`)."""
+    return [(path, layer.get_submodule(path)) for path, _, decision in target_decisions(layer, is_leaf, takes_state)
+            if decision == "target"]
+
+
+class LazyFusion:
+    """One module, fused at its first call while the mode is set, outside any capture."""
+
+    def __init__(self, name: str, module: torch.nn.Module, options: Options,
+                 on_fused: Callable[[LazyFusion], None] | None = None, leaves: tuple = ()):
+        self.name, self.module, self.options, self.on_fused = name, module, options, on_fused
+        self.leaves = leaves  # more opaque leaves for the trace (the engine's classes)
+        self.original = module.__dict__.get("forward")
+        self.state = "waiting"  # -> "fused" | "eager"
+        self.report = None
+        self.warned_capture = False
+        eager = module.forward
+
+        @functools.wraps(eager)
+        def forward(*args, **kwargs):
+            if self.state == "waiting" and mode_active():
+                self.fuse(args, kwargs)
+            return self.module_forward(*args, **kwargs)
+
+        self.module_forward = eager
+        module.forward = forward
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({type(self.module).__name__})"
+
+    def fuse(self, args, kwargs) -> None:
+        if capturing():
+            if not self.warned_capture:
+                self.warned_capture = True
+                _during_capture(self.label, self.options)
+            return  # stays waiting: a later call outside the capture fuses it
+        wrapper = self.module.forward
+        del self.module.forward  # fuse the module's own forward, not this wrapper
+        if self.original is not None:
+            self.module.forward = self.original
+        try:
+            self.report = fuse_now(self.module, args, kwargs, self.options, self.leaves,
+                                   guard=lambda *a, **k: mode_active())
+        except Unfusable as e:
+            self.state = "eager"  # and unwrapped: nothing of fuser's stays on the module
+            give_up(self.name, str(e), self.options)
+            return
+        except BaseException:
+            self.module.forward = wrapper
+            raise
+        self.module_forward = self.module.forward
+        self.module.forward = wrapper
+        self.state = "fused"
+        log.info("fuser: %s fused: %d glue launches -> %d", self.name, self.report.launches_before,
+                 self.report.launches_after)
+        if self.on_fused is not None:
+            self.on_fused(self)
+
+    def remove(self) -> None:
+        from fuser.splice import is_fused, restore
+
+        if is_fused(self.module):
+            self.module.forward = self.module_forward  # the guarded forward fuser installed
+            restore(self.module)
+        if self.original is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.original
+
+
+# ------------------------------------------------------------------------------------------
+# The closure seam: fuser in place of torch.compile on nested helper functions
+# ------------------------------------------------------------------------------------------
+
+
+class ClosureModule(torch.nn.Module):
+    """A closure as a module fuser can apply to: ``forward`` calls it, with its signature."""
+
+    def __init__(self, function: Callable):
+        super().__init__()
+        self.function = function
+
+    def extra_repr(self) -> str:
+        return where(self.function)
+
+
+def closure_module(function: Callable) -> ClosureModule:
+    """A :class:`ClosureModule` for ``function``, of a class named after it (the report's name)."""
+    signature = inspect.signature(function)
+
+    def forward(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    cls = type(function.__name__, (ClosureModule,), {"forward": forward, "__module__": function.__module__})
+    return cls(function)
+
+
+def where(function: Callable) -> str:
+    """``file:line`` of a function's definition."""
+    code = function.__code__
+    return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+
+
+def closure_key(function: Callable) -> tuple | None:
+    """The code object and the identity of each closure cell's contents, or None when a cell
+    is empty. The cells themselves are new at each call of the enclosing function; what
+    they hold (``self``, a config) is what makes two closures the same computation."""
+    contents = []
+    for cell in function.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:
+            return None
+    return (function.__code__, tuple(id(c) for c in contents))
+
+
+def _has_proxy(values) -> bool:
+    return any(isinstance(v, torch.fx.Proxy) for v in values)
+
+
+class FusedClosure:
+    """One closure (code object + cell contents): its module, its state and its report."""
+
+    def __init__(self, function: Callable):
+        self.function = function  # holds the cell contents, so their ids stay theirs
+        self.name = f"{function.__qualname__} ({where(function)})"
+        self.module = closure_module(function)
+        self.state = "waiting"  # -> "fused" | "eager"
+        self.report = None
+        self.warned_capture = False
+
+
+class ClosureSeam:
+    """``decorate(function)`` stands in for an engine's ``torch.compile`` decorator on nested
+    helpers. While ``active()`` holds (sglang: capture mode) the decorated closure is fused at
+    its first call on a stream that is not capturing, and every later call of the same code
+    with the same cell contents, inside a capture too, runs the fused forward (its guard
+    sends other dtypes, shapes or autograd to the closure itself). While ``active()`` does not
+    hold, ``decorate`` returns the function as it is. Never calls ``torch.compile``."""
+
+    #: Closures of one code object with different cell contents fused at most (a closure over
+    #: a value made afresh at each call would otherwise fuse at every call).
+    MAX_VARIANTS = 32
+
+    def __init__(self, options: Options, active: Callable[[], bool]):
+        self.options, self.active = options, active
+        self.entries: dict[tuple, FusedClosure] = {}
+        self.variants: dict[Any, int] = {}
+        self.refused: set = set()  # code objects already logged as not keyable
+        self.lock = threading.RLock()
+
+    def decorate(self, function: Callable) -> Callable:
+        if not self.active():
+            return function
+
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            return self.call(function, args, kwargs)
+
+        return call
+
+    def call(self, function: Callable, args: tuple, kwargs: dict):
+        if _has_proxy(args) or _has_proxy(kwargs.values()):
+            return function(*args, **kwargs)  # being traced itself: the trace sees the code
+        entry = self.entry(function)
+        if entry is None:
+            return function(*args, **kwargs)
+        if entry.state == "waiting":
+            self.fuse(entry, args, kwargs)
+        if entry.state == "fused":
+            return entry.module(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    def entry(self, function: Callable) -> FusedClosure | None:
+        key = closure_key(function)
+        code = function.__code__
+        with self.lock:
+            if key is None or (key not in self.entries and self.variants.get(code, 0) >= self.MAX_VARIANTS):
+                if code not in self.refused:
+                    self.refused.add(code)
+                    why = ("a closure cell is empty" if key is None else
+                           f"more than {self.MAX_VARIANTS} different closure cell contents")
+                    give_up(f"{function.__qualname__} ({where(function)})", why, self.options)
+                return None
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = FusedClosure(function)
+                self.variants[code] = self.variants.get(code, 0) + 1
+            return entry
+
+    def fuse(self, entry: FusedClosure, args: tuple, kwargs: dict) -> None:
+        with self.lock:
+            if entry.state != "waiting":
+                return
+            if capturing():
+                if not entry.warned_capture:
+                    entry.warned_capture = True
+                    _during_capture(entry.name, self.options)
+                return
+            tensors = [(n, v) for n, v in inspect.signature(entry.function).bind(*args, **kwargs).arguments.items()
+                       if isinstance(v, torch.Tensor)]
+            try:
+                entry.report = fuse_now(entry.module, args, kwargs, self.options,
+                                        batch_inputs=token_major(tensors))
+            except Unfusable as e:
+                entry.state = "eager"
+                give_up(entry.name, str(e), self.options)
+                return
+            entry.state = "fused"
+            log.info("fuser: compile seam: %s fused: %d glue launches -> %d", entry.name,
+                     entry.report.launches_before, entry.report.launches_after)
+
+    def summary(self) -> list[dict]:
+        """Each closure seen: its name, state and launches (eager -> fused)."""
+        return [{"name": e.name, "state": e.state,
+                 "launches": None if e.report is None else [e.report.launches_before, e.report.launches_after]}
+                for e in self.entries.values()]
+
+
+def token_major(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """The batch dims of a closure's tensor arguments: dim 0 of every argument that is not
+    a parameter (weights are passed in as arguments too) and has the first such argument's
+    row count."""
+    activations = [(n, v) for n, v in tensors if not isinstance(v, torch.nn.Parameter) and v.dim() >= 1]
+    if not activations:
+        return {}
+    rows = activations[0][1].shape[0]
+    return {n: 0 for n, v in activations if v.shape[0] == rows}
