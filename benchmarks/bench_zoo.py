@@ -57,15 +57,15 @@ def summary(results: dict[str, dict]) -> tuple[dict, str]:
         "Target: glue launches ≤ torch.compile's, glue µs ≤ 1.0× torch.compile's (≤ 0.5× for the",
         "DeepSeek-V4, DeepSeek-V3, GPT-OSS and Qwen3-MoE layers).",
         "",
-        "| layer | T | glue launches e / c / f | glue µs e / c / f | layer µs e / c / f | fuser / compile glue | met |",
-        "|---|---|---|---|---|---|---|",
+        "| layer | T | glue launches e / c / f | glue µs e / c / f | layer µs e / c / f | fuser / compile glue | met | commit |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         met = ("launches " if r["launches_met"] else "") + ("time" if r["time_met"] else "")
         lines.append(
             f"| {r['layer']} | {r['tokens']} | {' / '.join(map(str, r['glue_launches']))} | "
             f"{' / '.join(map(str, r['glue_us']))} | {' / '.join(map(str, r['layer_us']))} | "
-            f"{r['fuser_over_compile']:.2f} (≤ {r['target']}) | {met.strip() or 'no'} |"
+            f"{r['fuser_over_compile']:.2f} (≤ {r['target']}) | {met.strip() or 'no'} | {r['commit']} |"
         )
     return {"rows": rows}, "\n".join(lines) + "\n"
 
