@@ -129,10 +129,6 @@ class RowProgram:
     numel: int = 1  # padded elements of the largest block
     helpers: tuple[str, ...] = ()  # jit functions the body calls (templates/_row_program.py.jinja)
 
-    @property
-    def row_source(self) -> str:
-        return row_source(self.inputs)
-
 
 def row_source(inputs: list[Operand]) -> str:
     """The input whose first dim is the token count."""

@@ -153,10 +153,6 @@ class Pattern:
     def structural(self) -> dict[str, IntParam]:
         return {k: v for k, v in self.params.items() if isinstance(v, IntParam) and v.search}
 
-    def where(self) -> str:
-        line = inspect.getsourcelines(self.reference)[1]
-        return f"{self.path}:{line}"
-
 
 def _key_lines(path: Path, source: str) -> tuple[int, dict[str, int]]:
     """Line of the PATTERN assignment, and of each of its keys."""
