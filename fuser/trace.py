@@ -696,6 +696,6 @@ class preserved_state:
     def __exit__(self, *exc):
         with torch.no_grad():
             for t, saved in zip(self.tensors, self.saved):
-                if not torch.equal(t, saved):  # (an expanded input, never written, cannot be)
+                if not t.is_meta and not torch.equal(t, saved):  # (an expanded input, never written, cannot be)
                     t.copy_(saved)
         return False
