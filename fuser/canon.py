@@ -371,8 +371,7 @@ class Canonicalizer:
     def _topk(self, node):
         """``torch.topk`` along a (non-token) last axis, k a constant: one kernel in eager, a
         k-step selection in a row program. ``.values`` and ``.indices`` are free picks of it."""
-        params = dict(zip(("input", "k", "dim", "largest", "sorted"), node.args))
-        params.update(node.kwargs)
+        params = _bound(node, ("input", "k", "dim", "largest", "sorted"))
         x, k, dim = params.get("input"), params.get("k"), params.get("dim", -1)
         src = self.value(x) if isinstance(x, fx.Node) else None
         if (
@@ -386,8 +385,7 @@ class Canonicalizer:
 
     def _gather(self, node):
         """``x.gather(-1, index)`` with index shaped like x but for the last axis."""
-        params = dict(zip(("input", "dim", "index"), node.args))
-        params.update(node.kwargs)
+        params = _bound(node, ("input", "dim", "index"))
         x, dim, index = params.get("input"), params.get("dim"), params.get("index")
         if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and not params.get("sparse_grad"):
             src, idx = self.value(x), self.value(index)
@@ -419,8 +417,7 @@ class Canonicalizer:
             return self._make(node, name, COMPUTE, (node.args[0],))
         if name == "where":
             return self._make(node, "where", COMPUTE, tuple(node.args[:3]))
-        params = dict(zip(_POSITIONAL.get(name, ()), node.args[1:]))
-        params.update({k: v for k, v in node.kwargs.items()})
+        params = self._params(node, name)
         rank = self.value(node.args[0]).dim()
         if name == "clamp":
             low = params.get("min")
@@ -489,8 +486,7 @@ class Canonicalizer:
     def _max_along(self, node):
         """``torch.max(x, dim)`` / ``min``: a (values, indices) pair, read through its parts."""
         name = op_name(node)
-        params = dict(zip(("input", "dim", "keepdim"), node.args))
-        params.update(node.kwargs)
+        params = _bound(node, ("input", "dim", "keepdim"))
         x, dim = params.get("input"), params.get("dim")
         src = self.value(x) if isinstance(x, fx.Node) else None
         if (
@@ -504,8 +500,7 @@ class Canonicalizer:
     def _sort(self, node):
         """``torch.sort(x, dim, descending, stable=)``: a (values, indices) pair, read through
         its parts (``element`` nodes naming the part). No template lowers a sort by itself."""
-        params = dict(zip(("input", "dim", "descending"), node.args))
-        params.update(node.kwargs)
+        params = _bound(node, ("input", "dim", "descending"))
         x = params.get("input")
         rank = self.value(x).dim() if isinstance(x, fx.Node) else 0
         dim = params.get("dim", -1)
@@ -519,16 +514,14 @@ class Canonicalizer:
     def _histc(self, node):
         """``torch.histc(x, bins, min, max)``: bins, min and max are literal arguments (a
         pattern may capture them as parameters)."""
-        params = dict(zip(("input", "bins", "min", "max"), node.args))
-        params.update(node.kwargs)
+        params = _bound(node, ("input", "bins", "min", "max"))
         args = (params.get("input"), params.get("bins", 100), params.get("min", 0), params.get("max", 0))
         return self._make(node, "histc", UNSUPPORTED, args)
 
     def _cumsum(self, node):
         """``torch.cumsum(x, dim, dtype=)``: the dim and the dtype of the result (with or
         without ``dtype=``) are attributes."""
-        params = dict(zip(("input", "dim"), node.args))
-        params.update(node.kwargs)
+        params = _bound(node, ("input", "dim"))
         x, dim = params.get("input"), params.get("dim")
         rank = self.value(node).dim()
         attrs = {"dim": dim % rank if isinstance(dim, int) and rank else dim, "dtype": self.value(node).dtype}
@@ -639,6 +632,11 @@ def _part_index(result, which):
         field = getattr(result, which, None)
         return next((i for i, v in enumerate(result) if v is field), which)
     return which if isinstance(which, int) else None
+
+
+def _bound(node: fx.Node, names: tuple[str, ...]) -> dict:
+    """The call's arguments by name: the positional ones named by ``names``, and the keywords."""
+    return {**dict(zip(names, node.args)), **node.kwargs}
 
 
 def _holds_tensors(value) -> bool:

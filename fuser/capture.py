@@ -17,6 +17,11 @@ from typing import Any, Callable
 
 import torch
 
+def capturing() -> bool:
+    """Is the current CUDA stream capturing a graph?"""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 #: sglang's default decode batch sizes up to 256 (arg_groups/cuda_graph_hook.py).
 SGLANG_BATCH_SIZES = [1, 2, 4, 8, 12] + list(range(16, 257, 8))
 

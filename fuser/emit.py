@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jinja2
 
+from fuser.capture import capturing
 from fuser.launch_config import current_gpu, lookup
 from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
@@ -197,9 +198,7 @@ def forbid_compile_during_capture(kernel, path: Path) -> None:
         return  # the interpreter, or a Triton without this hook: nothing is compiled here
 
     def compile_unless_capturing(*args, **kwargs):
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")
             raise CaptureCompileError(
                 f"{path}: {name} would be JIT-compiled for a new Triton specialisation while a CUDA "

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from fuser.capture import capturing
+
 log = logging.getLogger("fuser")
 
 
@@ -102,11 +104,6 @@ class Options:
 # ------------------------------------------------------------------------------------------
 
 
-def capturing() -> bool:
-    """Is the current CUDA stream capturing a graph?"""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class Unfusable(Exception):
     """A module or closure fuser leaves eager; the message says which and why."""
 
@@ -140,14 +137,22 @@ def give_up(name: str, reason: str, options: Options) -> None:
     log.warning("fuser: %s left eager: %s", name, reason)
 
 
-def _during_capture(name: str, options: Options) -> None:
+def postponed_by_capture(waiting, name: str, options: Options) -> bool:
+    """Is the current stream capturing? Then the first call of ``name`` runs eager, logged once
+    per ``waiting`` (a :class:`LazyFusion` or :class:`FusedClosure`; raises when strict), and a
+    later call outside the capture fuses it."""
     import fuser
 
-    message = (f"fuser: the first call of {name} came during CUDA-graph capture; it runs eager there "
-               "(fuser traces and compiles only outside a capture: a warm-up call fuses it)")
-    if options.strict:
-        raise fuser.FuserError(message)
-    log.warning("%s", message)
+    if not capturing():
+        return False
+    if not waiting.warned_capture:
+        waiting.warned_capture = True
+        message = (f"fuser: the first call of {name} came during CUDA-graph capture; it runs eager there "
+                   "(fuser traces and compiles only outside a capture: a warm-up call fuses it)")
+        if options.strict:
+            raise fuser.FuserError(message)
+        log.warning("%s", message)
+    return True
 
 
 # ------------------------------------------------------------------------------------------
@@ -268,11 +273,8 @@ class LazyFusion:
         return f"{self.name} ({type(self.module).__name__})"
 
     def fuse(self, args, kwargs) -> None:
-        if capturing():
-            if not self.warned_capture:
-                self.warned_capture = True
-                _during_capture(self.label, self.options)
-            return  # stays waiting: a later call outside the capture fuses it
+        if postponed_by_capture(self, self.label, self.options):
+            return  # stays waiting
         wrapper = self.module.forward
         del self.module.forward  # fuse the module's own forward, not this wrapper
         if self.original is not None:
@@ -433,10 +435,7 @@ class ClosureSeam:
         with self.lock:
             if entry.state != "waiting":
                 return
-            if capturing():
-                if not entry.warned_capture:
-                    entry.warned_capture = True
-                    _during_capture(entry.name, self.options)
+            if postponed_by_capture(entry, entry.name, self.options):
                 return
             tensors = [(n, v) for n, v in inspect.signature(entry.function).bind(*args, **kwargs).arguments.items()
                        if isinstance(v, torch.Tensor)]

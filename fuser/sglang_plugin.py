@@ -46,6 +46,7 @@ Configuration (environment, inherited by the scheduler processes):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
@@ -147,8 +148,10 @@ def decode_call(arguments: dict) -> bool:
 decode_active = serving.mode_active
 
 
+@functools.lru_cache(maxsize=None)
 def leaf_types() -> tuple[type, ...]:
-    """The leaf classes of :data:`LEAF_CLASSES` that the installed sglang has."""
+    """The leaf classes of :data:`LEAF_CLASSES` that the installed sglang has (looked up once:
+    :func:`is_leaf` asks for every submodule of every layer)."""
     found = []
     for module_name, class_name in LEAF_CLASSES:
         try:

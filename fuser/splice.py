@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon import COMPUTE, META, UNIT_VIEW, VIEW, COp
+from fuser.capture import capturing
 from fuser.signature import CallSpec
 from fuser.trace import Traced
 
@@ -153,10 +154,6 @@ def read_attributes(module: torch.nn.Module, names: tuple[str, ...]) -> tuple:
     return values if len(names) > 1 else (values,)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _stamp(tensors) -> tuple:
     """What changes when a tensor is written in place (version counter) or replaced (storage).
     Inference tensors keep no version counter: only their storage is compared."""
@@ -180,7 +177,7 @@ class Precomputed:
         stamp = _stamp(read_attributes(module, self.sources))
         if stamp == self.seen:
             return True
-        if _capturing():
+        if capturing():
             if not self.warned:
                 self.warned = True
                 warnings.warn(

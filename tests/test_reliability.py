@@ -192,7 +192,7 @@ def test_a_replaced_parameter_storage_is_seen(projection):
 
 def test_a_change_seen_during_a_capture_runs_eager_and_warns_once(projection, launches, monkeypatch):
     m, x = projection
-    monkeypatch.setattr(fuser.splice, "_capturing", lambda: True)
+    monkeypatch.setattr(fuser.splice, "capturing", lambda: True)
     with torch.no_grad():
         m.scale.fill_(3.0)
     launches.clear()
@@ -202,7 +202,7 @@ def test_a_change_seen_during_a_capture_runs_eager_and_warns_once(projection, la
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_matches_eager(m, x)  # no second warning
-    monkeypatch.setattr(fuser.splice, "_capturing", lambda: False)
+    monkeypatch.setattr(fuser.splice, "capturing", lambda: False)
     assert_matches_eager(m, x)
     assert launches, "outside the capture the value is recomputed and the fused forward runs"
 
