@@ -28,6 +28,7 @@ from fuser.tune import time_launches_us  # noqa: E402
 
 CALLS = 100
 HIDDEN, INTERMEDIATE = 4096, 14336
+EXPERTS, TOP_K = 128, 8
 
 
 def _norm():
@@ -64,10 +65,26 @@ class GatedAct(nn.Module):
         return self.act(gate) * up
 
 
+class ExpertSort(nn.Module):
+    """transformers' grouped_mm experts' offset preparation (integrations/moe.py), as CUDA runs
+    it: the routed expert ids sorted, counted per expert and summed up."""
+
+    def forward(self, expert_ids):
+        sorted_ids, perm = torch.sort(expert_ids)
+        counts = torch.histc(sorted_ids.int(), bins=EXPERTS, min=0, max=EXPERTS - 1)
+        return sorted_ids, perm, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def _routed_ids(T: int) -> torch.Tensor:
+    """``top_k_index.reshape(-1)``: TOP_K distinct experts per token (Qwen3-30B-A3B's 8 of 128)."""
+    return torch.rand(T, EXPERTS).topk(TOP_K, dim=-1).indices.reshape(-1)
+
+
 CHAINS = {
     "rmsnorm (Qwen3RMSNorm, 4096)": (lambda: _norm(), lambda T: (torch.randn(T, HIDDEN),)),
     "add + rmsnorm (4096)": (AddNorm, lambda T: (torch.randn(T, HIDDEN), torch.randn(T, HIDDEN))),
     "silu(gate) * up (14336)": (GatedAct, lambda T: (torch.randn(T, INTERMEDIATE), torch.randn(T, INTERMEDIATE))),
+    "expert sort (T x 8 of 128 experts)": (ExpertSort, lambda T: (_routed_ids(T),)),
 }
 
 
@@ -80,7 +97,7 @@ def run(tokens) -> list[dict]:
     rows = []
     for name, (make, make_inputs) in CHAINS.items():
         for T in tokens:
-            inputs = tuple(x.to("cuda", torch.bfloat16) for x in make_inputs(T))
+            inputs = tuple(x.to("cuda", torch.bfloat16 if x.is_floating_point() else x.dtype) for x in make_inputs(T))
             eager = make().to("cuda", torch.bfloat16).eval()
             fused = make().to("cuda", torch.bfloat16).eval()
             report = fuser.apply(fused, inputs)

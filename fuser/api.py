@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 from dataclasses import dataclass, field
@@ -74,16 +75,47 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
     return KernelSpec(region.template, region.pattern, program.inputs, program.outputs, region.params, sizes, program)
 
 
-def record_values(module: torch.nn.Module, traced: Traced) -> dict[fx.Node, Any]:
+class Recorded(dict):
+    """Every node's eager value (``record_values``), and what in-place writes left in the
+    tensors they wrote: ``written[target]`` lists (graph position, value after the write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict[fx.Node, list[tuple[int, torch.Tensor]]] = {}
+
+    def inputs_of(self, region: Region) -> list:
+        """The region's inputs as its kernel reads them: after the in-place writes that run
+        before it (``inv[perm] = arange(n)`` fills the ``empty_like`` a later gather reads)."""
+        at = _position_index(region)
+        return [next((v for i, v in reversed(self.written.get(n, [])) if i < at), self[n]) for n in region.inputs]
+
+
+def _position_index(region: Region) -> int:
+    position = region.position
+    if position is None:
+        return 1 << 62
+    return next(i for i, n in enumerate(position.graph.nodes) if n is position)
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (node.target is operator.setitem or name.endswith("_") and not name.startswith("_")) and bool(node.args)
+
+
+def record_values(module: torch.nn.Module, traced: Traced) -> Recorded:
     """Every node's eager value on the example inputs, cloned when produced (before any write);
     parameters as they are (the forward never writes them, and experts' weights are large)."""
-    values: dict[fx.Node, Any] = {}
+    values = Recorded()
+    order = {n: i for i, n in enumerate(traced.graph.nodes)}
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
             result = super().run_node(n)
             fresh = isinstance(result, torch.Tensor) and not isinstance(result, torch.nn.Parameter)
             values[n] = result.clone() if fresh else result
+            target = n.args[0] if n.op in ("call_function", "call_method") and _writes_in_place(n) else None
+            if isinstance(target, fx.Node) and isinstance(self.env.get(target), torch.Tensor):
+                values.written.setdefault(target, []).append((order[n], self.env[target].clone()))
             return result
 
     gm = fx.GraphModule(module, traced.graph)
@@ -189,7 +221,7 @@ def _validate(kernel: Kernel, values, cops) -> str | None:
     targets = store_targets(region, values)
     try:
         with torch.no_grad(), _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
-            got = kernel.launch(*[values[n] for n in region.inputs], *targets)
+            got = kernel.launch(*values.inputs_of(region), *targets)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run stays unspliced
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return f"kernel {kernel.path.name} failed: {type(e).__name__}: {first}"

@@ -231,6 +231,7 @@ class Canonicalizer:
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
         index_ok = value.dtype == torch.int64 and ops.TABLE.get(name, None) and ops.TABLE[name].result == ops.INDEX_RESULT
+        index_ok = index_ok or self._index_arithmetic(node, _ALIASES.get(name, name), value)
         if (value.dtype not in _KERNEL_DTYPES or (value.dtype.is_complex and not complex_ok)) and not index_ok:
             if not is_view:
                 return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
@@ -257,6 +258,8 @@ class Canonicalizer:
             return special[name](node)
         if name in _CONSTANTS:
             return self._constant(node, name)
+        if ops.kind(name) == ops.POINTWISE and not ops.TABLE[name].triton and not self._index_arithmetic(node, name, value):
+            return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
         if ops.kind(name) in (ops.POINTWISE, ops.REDUCTION, ops.NORMALIZATION):
             return self._compute(node, name)
         return self._make(node, name, UNSUPPORTED, _tensor_args(node))
@@ -299,9 +302,23 @@ class Canonicalizer:
                 return self._make(node, "index", UNSUPPORTED, (src,) + tuple(i for i in index if isinstance(i, fx.Node)))
         return self._view_of(node, src)
 
+    def _index_arithmetic(self, node, name: str, value) -> bool:
+        """Integer pointwise math a kernel computes exactly (``perm // top_k``): an op with an
+        integer expression, on tensors of the result's integer dtype and integer literals."""
+        if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:
+            return False
+        args = node.args
+        for arg in args:
+            if isinstance(arg, fx.Node) and not (isinstance(self.value(arg), torch.Tensor) and self.value(arg).dtype == value.dtype):
+                return False
+            if not isinstance(arg, (fx.Node, int)) or isinstance(arg, bool):
+                return False
+        return name != "floordiv" or (len(args) == 2 and ops.integer_divisor(args[1]))
+
     def _row_gather(self, table, index) -> bool:
-        """``table[index]``: one row of a token-independent table per token (an embedding lookup)."""
-        if not isinstance(index, fx.Node) or self.batch_dims(table) or self.value(table).dtype not in _KERNEL_DTYPES:
+        """``table[index]``: one row of a table per index, the table token-independent (an
+        embedding lookup) or not (MoE's ``hidden[perm // top_k]``, rows of another count)."""
+        if not isinstance(index, fx.Node) or self.batch_dims(table) not in ((), (0,)) or self.value(table).dtype not in _KERNEL_DTYPES:
             return False
         idx = self.value(index)
         return (
@@ -325,6 +342,9 @@ class Canonicalizer:
             return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
         if out.numel() == inp.numel() and _register_reshape(self.static_shape(src), shape):
             return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
+        group = self._row_group(src, node)
+        if group:  # gathered rows regrouped per token: out[t, j] = src[t * group + j]
+            return self._make(node, "group_rows", UNIT_VIEW, (src,), {"group": group})
         columns = self._last_axis_slice(src, out, inp)
         if columns is not None and self._computed(src):
             # A slice of a value a kernel computes: taken in registers when both share a kernel.
@@ -334,6 +354,20 @@ class Canonicalizer:
             {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
             covers,
         )  # fmt: skip
+
+    def _row_group(self, src, node) -> int | None:
+        """``k`` when ``node`` views the rows of a row gather ``src`` as [tokens, k, ...] (MoE's
+        ``out[inv_perm].view(T, k, H)``): a kernel over the tokens gathers k rows each."""
+        if self.cops.get(src) is None or self.cops[src].op != "gather_rows":
+            return None
+        if self.batch_dims(src) != (0,) or self.batch_dims(node) != (0,):
+            return None
+        shapes = [(o.shape, i.shape) for o, i in zip(self.traced.shadows[node.name], self.traced.shadows[src.name])]
+        group = shapes[0][0][1] if len(shapes[0][0]) > 1 else None
+        for out, inp in shapes:
+            if len(out) < 2 or out[1] != group or out[0] * group != inp[0] or tuple(out[2:]) != tuple(inp[1:]):
+                return None
+        return group
 
     def _copies(self, node, src) -> bool:
         """Did the reshape copy at either traced size (no view fits its input's layout, as after

@@ -22,7 +22,7 @@ import jinja2
 
 from fuser.capture import capturing
 from fuser.launch_config import current_gpu, lookup
-from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_source
+from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_count, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
 
 
@@ -94,6 +94,7 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         kernel_name=kernel_name,
         num_warps=spec.num_warps,
         row_source=row_source(spec.inputs),
+        row_count=row_count(spec.inputs),
         tl_dtype=TL_DTYPES,
     )
     try:

@@ -103,6 +103,9 @@ class Operand:
     has_rows: bool
     broadcast_rows: bool = False  # a [1, ...] tensor the launcher expands over the token rows
     into: bool = False  # an output the caller passes in (a view it is written into), not allocated
+    # Its rows per program: 1, or k (the index a program gathers k rows with), or 0 when its rows
+    # are not the programs' (a gathered table).
+    row_group: int = 1
 
     @property
     def complex(self) -> bool:
@@ -114,7 +117,12 @@ class Operand:
         dims = len(self.shape) + (1 if self.complex else 0)
         return ([f"{self.name}_stride_row"] if self.has_rows else []) + [
             f"{self.name}_stride_{i}" for i in range(dims)
-        ]
+        ] + ([f"{self.name}_rows"] if self.read_at_positions else [])
+
+    @property
+    def read_at_positions(self) -> bool:
+        """Rows read where values say (a gathered table): the kernel gets their count too."""
+        return self.has_rows and self.row_group == 0
 
 
 @dataclass
@@ -131,8 +139,19 @@ class RowProgram:
 
 
 def row_source(inputs: list[Operand]) -> str:
-    """The input whose first dim is the token count."""
-    return next(op.name for op in inputs if op.has_rows and not op.broadcast_rows)
+    """The input whose first dim gives the program count (the token count, or k times it)."""
+    return _row_input(inputs).name
+
+
+def row_count(inputs: list[Operand]) -> str:
+    """The launcher's expression for the number of programs."""
+    op = _row_input(inputs)
+    return f"{op.name}.shape[0]" + (f" // {op.row_group}" if op.row_group > 1 else "")
+
+
+def _row_input(inputs: list[Operand]) -> Operand:
+    rowed = [op for op in inputs if op.has_rows and not op.broadcast_rows and op.row_group]
+    return min(rowed, key=lambda op: op.row_group)  # one row per program if any, else k
 
 
 @dataclass
@@ -170,12 +189,9 @@ class _Lowerer:
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
         self.helpers: set[str] = set()
-        # Inputs read only through a row gather (a table and its indices) are never loaded whole.
-        self.gathered = {
-            n for n in self.inputs
-            if n.users and all(self.cops.get(u) and self.cops[u].op == "gather_rows" for u in n.users if u in self.nodes)
-            and any(self.cops.get(u) and self.cops[u].op == "gather_rows" for u in n.users if u in self.nodes)
-        }
+        # Tables read only through a row gather are never loaded whole, nor at this program's row.
+        self.gathered = {n for n in self.inputs if self._only_gathered(n)}
+        self.regathered = self._regathered()
         self.row_rank = max(
             (self.traced.value(n).dim() for n in self.inputs + self.nodes if self.traced.batch_dims(n)), default=0
         )
@@ -184,9 +200,52 @@ class _Lowerer:
         self.block_last = 1
 
     # --- structure ---------------------------------------------------------------------------
+    def _only_gathered(self, node: fx.Node) -> bool:
+        uses = [self.cops[u] for u in node.users if u in self.nodes]
+        return bool(uses) and all(c.op == "gather_rows" and c.args[0] is node and c.args[1] is not node for c in uses)
+
+    def _regathered(self) -> set[fx.Node]:
+        """Values of another row count that a ``group_rows`` reads at gathered rows: its gather,
+        the gather's index and the gathered table with what computes it, never lowered at this
+        program's row (``lower_group_rows`` computes them at the rows it gathers)."""
+        found = set()
+        for node in self.nodes:
+            if self.cops[node].op != "group_rows":
+                continue
+            gather = self.cops[node].args[0]
+            if gather not in self.nodes or [u for u in gather.users if u in self.nodes] != [node]:
+                raise LoweringError(f"`{node.name}`: its rows' gather must be in the kernel and read by it alone", node)
+            table, index = self.cops[gather].args
+            found |= {gather, index} | self._table_values(table)
+        for node in found & set(self.nodes + self.inputs):
+            outside = [u for u in node.users if u in self.nodes and u not in found and self.cops[u].op != "group_rows"]
+            if outside or node in self.outputs:
+                raise LoweringError(f"`{node.name}` is read at gathered rows and at this program's row", node)
+        return found
+
+    def _table_values(self, table: fx.Node) -> set[fx.Node]:
+        """``table`` and the kernel's nodes that compute it (pointwise, casts, unit axes)."""
+        found, todo = set(), [table]
+        while todo:
+            node = todo.pop()
+            if node in found:
+                continue
+            found.add(node)
+            if node in self.nodes:
+                cop = self.cops[node]
+                gather = cop.op == "gather_rows"
+                if ops.kind(cop.op) != ops.POINTWISE and not gather and not (cop.op == "reshape" and cop.kind == UNIT_VIEW):
+                    raise LoweringError(f"`{node.name}` ({cop.op}) cannot be computed at gathered rows", node)
+                todo += [a for a in cop.args[1:] if isinstance(a, fx.Node)] if gather else [a for a in cop.args if isinstance(a, fx.Node)]
+            if node in self.nodes and self.cops[node].op == "gather_rows":
+                found.add(self.cops[node].args[0])  # its table: read at the rows its index names
+        return found
+
     def _check_rows(self):
         rows = set()
         for node in self.inputs + self.nodes:
+            if node in self.regathered:
+                continue
             value = self.traced.value(node)
             if node in self.nodes and self.cops[node].op == "topk":
                 continue  # a (values, indices) pair, read only through its parts
@@ -195,10 +254,10 @@ class _Lowerer:
             batch = self.traced.batch_dims(node)
             if batch and batch != (0,):
                 raise LoweringError(f"`{node.name}` has its token dim at {batch}, not first")
-            if batch:
+            if batch and node not in self.gathered:  # a gathered table's rows are any rows
                 rows.add((value.shape[0], self.traced.shadows[node.name][1].shape[0]))
-            if value.dtype in INDEX_DTYPES and self._index_only(node):
-                continue
+            if value.dtype in INDEX_DTYPES:
+                continue  # positions and index arithmetic, computed in integers
             if value.dtype not in TL_DTYPES and not value.dtype.is_complex and node not in self.gathered:
                 raise LoweringError(f"`{node.name}` is {value.dtype}; row programs take {list(TL_DTYPES)}")
         if len(rows) > 1:
@@ -208,14 +267,6 @@ class _Lowerer:
         for node in self.outputs:
             if not self.traced.batch_dims(node):
                 raise LoweringError(f"output `{node.name}` does not follow the tokens")
-
-    def _index_only(self, node: fx.Node) -> bool:
-        """An integer value the chain only uses as indices: top-k's, or a gather's index."""
-        entry = ops.TABLE.get(self.cops[node].op) if node in self.nodes else None
-        if entry and entry.result == ops.INDEX_RESULT:
-            return True
-        uses = [u for u in node.users if u in self.nodes]
-        return bool(uses) and all(self.cops[u].op == "gather_last" and self.cops[u].args[1] is node for u in uses)
 
     def block_shape(self, node: fx.Node) -> tuple[int, ...]:
         value = self.traced.value(node)
@@ -236,7 +287,7 @@ class _Lowerer:
         self.tile_axis: dict[fx.Node, int | None] = {}
         self._leading = False
         outs = [self.block_shape(n) for n in self.outputs]
-        if not all(outs):
+        if not all(outs) or self.regathered:
             return False, 1
         for leading in (False, True):
             size = self._tile(outs, leading)
@@ -371,7 +422,7 @@ class _Lowerer:
         self.dtypes[node] = dtype
 
     def load(self, operand: Operand, node: fx.Node):
-        if node in self.gathered:
+        if node in self.gathered or node in self.regathered:
             return
         row = f"row * {operand.name}_stride_row" if operand.has_rows else None
         self._emit_load(node, self.fresh(node, "in"), operand, row)
@@ -464,6 +515,9 @@ class _Lowerer:
             return  # built inside the sum that reads it
         if args and args[0] in self.contracted:
             return self.reduce(node, cop)
+        if self.traced.value(node).dtype in INDEX_DTYPES and entry.integer:
+            operands = [self.names[a] if isinstance(a, fx.Node) else repr(a) for a in args]
+            return self.emit(node, ops.render(entry.integer, *operands), layout_only=True)
         if op in _EXPRESSIONS:
             self.helpers.update(entry.helpers)
             operands = [None if a is None else self.f32(a) for a in args]
@@ -772,14 +826,41 @@ class _Lowerer:
         return (self.f32(arg), None)
 
     def gather_rows(self, node: fx.Node, name: str, table: fx.Node, index: fx.Node):
-        """``table[index]``: this token's row of a token-independent table."""
-        ops = {n: op for n, op in zip(self.inputs, self._operands)}
-        if table not in ops or index not in ops:
-            raise LoweringError(f"`{node.name}`: a row gather must read the table and the indices directly")
-        t, i = ops[table], ops[index]
-        self.lines.append(f"{name}_idx = tl.load({i.name}_ptr + row * {i.name}_stride_row)  # {index.name}")
+        """``table[index]``: the row of ``table`` this program's index names. The table is read
+        from memory (an input); the index may be computed here (``perm // top_k``)."""
+        operands = {n: op for n, op in zip(self.inputs, self._operands)}
+        if table not in operands:
+            raise LoweringError(f"`{node.name}`: a row gather must read its table directly")
+        t = operands[table]
+        self.lines.append(f"{name}_idx = {self.names[index]}  # {index.name}")
+        if t.has_rows:  # a table of rows of another count (MoE's hidden states): its own row stride
+            self.lines.append(f"{name}_idx = {_wrapped(f'{name}_idx', f'{t.name}_rows')}")
+            gathered = Operand(t.name, table.name, t.shape, t.dtype, True)
+            return self._emit_load(node, name, gathered, f"{name}_idx * {t.name}_stride_row")
+        self.lines.append(f"{name}_idx = {_wrapped(f'{name}_idx', t.shape[0])}")
         gathered = Operand(t.name, table.name, t.shape[1:], t.dtype, True)
         self._emit_load(node, name, gathered, f"{name}_idx * {t.name}_stride_0", first_stride=1)
+
+    def lower_group_rows(self, node: fx.Node, cop: COp):
+        """``table[index].view(T, k, ...)``: this token's k rows of the gather, each computed
+        from the table's inputs loaded at the row its index names (``index[row * k + j]``)."""
+        gather = cop.args[0]
+        table, index = self.cops[gather].args
+        operands = dict(zip(self.inputs, self._operands))
+        if index not in operands or self.block_shape(index):
+            raise LoweringError(f"`{node.name}`: the gather's index must be an input of one position per row", node)
+        k = cop.attr("group")
+        name = self.fresh(node)
+        i = operands[index]
+        picks = f"tl.arange(0, {pow2(k)})"
+        self.lines.append(
+            f"{name}_rows = tl.load({i.name}_ptr + (row * {k} + {picks}) * {i.name}_stride_row, mask={picks} < {k}, other=0)"
+            f"  # {index.name}, {k} per token"
+        )
+        at_rows = _AtRows(self, f"{name}_rows", k, operands)
+        self.lines.append(f"{name} = {at_rows.value(table)}  # {node.name}")
+        self.names[node] = name
+        self.dtypes[node] = at_rows.dtypes[table]
 
     def _reduced_axes(self, node: fx.Node, cop: COp) -> list[int]:
         """The block axes ``cop`` combines values along (never the tokens)."""
@@ -873,7 +954,8 @@ class _Lowerer:
         self.contracted = self._contractions()
         values = [
             n for n in self.nodes + self.inputs
-            if isinstance(self.traced.value(n), torch.Tensor) and n not in self.contracted and n not in self.gathered
+            if isinstance(self.traced.value(n), torch.Tensor)
+            and n not in self.contracted and n not in self.gathered and n not in self.regathered
         ]  # fmt: skip: a gathered table is read a row at a time, a contracted product never built
         if self.tiled:
             others = max(
@@ -887,6 +969,8 @@ class _Lowerer:
         for operand, node in zip(ins, self.inputs):
             self.load(operand, node)
         for node in self.nodes:
+            if node in self.regathered:
+                continue
             try:
                 self.lower_node(node)
             except LoweringError as e:
@@ -903,7 +987,105 @@ class _Lowerer:
         op = operand(self.traced, node, name)
         if not op.has_rows and self.block_shape(node) != op.shape:  # [1, N]: expanded over rows
             op = Operand(name, node.name, self.block_shape(node), op.dtype, True, broadcast_rows=True)
+        if node in self.gathered or node in self.regathered:
+            groups = [self.cops[g].attr("group") for g in self.nodes if self.cops[g].op == "group_rows"
+                      and self.cops[self.cops[g].args[0]].args[1] is node]  # fmt: skip
+            op.row_group = groups[0] if groups else 0
         return op
+
+
+def _wrapped(index: str, rows) -> str:
+    """A position as PyTorch indexes: a negative one counts from the end. (Positions out of
+    range raise in eager; here they are clamped into the table so no load leaves it.)"""
+    return f"tl.minimum(tl.maximum(tl.where({index} < 0, {index} + {rows}, {index}), 0), {rows} - 1)"
+
+
+class _AtRows:
+    """Values of a gathered table computed at ``rows`` (a block of k row numbers): each input
+    loaded at those rows, each op applied as at the table's own rows. A value's block is the
+    rows' axis followed by its own block."""
+
+    def __init__(self, lowerer: _Lowerer, rows: str, k: int, operands: dict):
+        self.lowerer, self.rows, self.k, self.operands = lowerer, rows, k, operands
+        self.names: dict[fx.Node, str] = {}
+        self.dtypes: dict[fx.Node, torch.dtype] = {}
+
+    def value(self, node: fx.Node) -> str:
+        """The expression of ``node`` at the rows (rounded to its dtype), as a name."""
+        if node not in self.names:
+            self.names[node] = self._input(node) if node in self.operands else self._op(node)
+        return self.names[node]
+
+    def f32(self, arg) -> str:
+        if not isinstance(arg, fx.Node):
+            return self.lowerer.f32(arg)
+        name = self.value(arg)
+        return name if self.dtypes[arg] in (torch.float32, torch.bool) else f"{name}.to(tl.float32)"
+
+    def _line(self, node: fx.Node, expr: str, dtype: torch.dtype) -> str:
+        name = f"{self.rows}_{len(self.names)}"
+        self.lowerer.lines.append(f"{name} = {expr}  # {node.name} at the gathered rows")
+        self.dtypes[node] = dtype
+        return name
+
+    def _input(self, node: fx.Node, rows: str | None = None, source: fx.Node | None = None) -> str:
+        """``node``: input ``source`` (by default itself) loaded at ``rows`` (by default the
+        gathered rows)."""
+        operand = self.operands[source or node]
+        if not operand.has_rows or operand.broadcast_rows:
+            raise LoweringError(f"`{node.name}`: a gathered table's input must have its rows", node)
+        shape = operand.shape
+        rank = len(shape) + 1
+        picks = _expand(f"tl.arange(0, {pow2(self.k)})", 0, rank)
+        at = _wrapped(rows or self.rows, f"{operand.name}_rows")
+        terms = [f"{operand.name}_ptr", f"{_expand(f'({at})', 0, rank)} * {operand.name}_stride_row"]
+        masks = [f"({picks} < {self.k})"]
+        for axis, size in enumerate(shape):
+            index = _expand(f"tl.arange(0, {pow2(size)})", axis + 1, rank)
+            terms.append(f"{index} * {operand.name}_stride_{axis}")
+            if pow2(size) != size:
+                masks.append(f"({index} < {size})")
+        expr = f"tl.load({' + '.join(terms)}, mask={' & '.join(masks)}, other=0.0)"
+        return self._line(node, expr, operand.dtype)
+
+    def _op(self, node: fx.Node) -> str:
+        cop = self.lowerer.cops[node]
+        dtype = self.lowerer.traced.value(node).dtype
+        rank = len(self.lowerer.block_shape(node)) + 1
+        if cop.op == "reshape":  # unit axes inserted (checked by _table_values' caller)
+            src = cop.args[0]
+            inserted = _inserted_axes(self.lowerer.block_shape(src), self.lowerer.block_shape(node))
+            if inserted is None:
+                raise LoweringError(f"`{node.name}`: only unit axes may be added at gathered rows", node)
+            expr = self.value(src)
+            for axis in inserted:
+                expr = f"tl.expand_dims({expr}, {axis + 1})"
+            return self._line(node, expr, self.dtypes[src])
+        if cop.op == "cast":
+            return self._line(node, rounded(self.f32(cop.args[0]), dtype), dtype)
+        if cop.op == "gather_rows":  # table[index] at the rows: the table at the rows the index holds there
+            table, index = cop.args
+            if table not in self.operands:
+                raise LoweringError(f"`{node.name}`: a row gather must read its table directly", node)
+            if self.lowerer.block_shape(index):
+                raise LoweringError(f"`{node.name}`: a row gather's index must be one position per row", node)
+            return self._input(node, rows=self.value(index), source=table)
+        entry = ops.TABLE[cop.op]
+        if dtype in INDEX_DTYPES and entry.integer:
+            operands = [self.value(a) if isinstance(a, fx.Node) else repr(a) for a in cop.args]
+            return self._line(node, ops.render(entry.integer, *operands), dtype)
+        if cop.op not in _EXPRESSIONS:
+            raise LoweringError(f"`{node.name}`: {cop.op} is not computed at gathered rows", node)
+        operands = []
+        for arg in cop.args:
+            expr = self.f32(arg) if arg is not None else None
+            if isinstance(arg, fx.Node):  # numpy broadcasting aligns the trailing dims: pad after the rows' axis
+                for _ in range(rank - 1 - len(self.lowerer.block_shape(arg))):
+                    expr = f"tl.expand_dims({expr}, 1)"
+            operands.append(expr)
+        self.lowerer.helpers.update(ops.TABLE[cop.op].helpers)
+        expr = ops.render(_EXPRESSIONS[cop.op], *operands)
+        return self._line(node, expr if dtype in (torch.float32, torch.bool) else rounded(expr, dtype), dtype)
 
 
 def heuristic_warps(numel: int, reducing: bool, tiled: bool) -> int:

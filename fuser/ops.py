@@ -10,6 +10,8 @@ operands it takes, what kind of op it is, how it treats axes, and how it lowers:
   ``code_for_op`` do. Functions written once for the whole kernel (``expm1_f32``) are named in
   ``helpers`` and defined in templates/_row_program.py.jinja.
 * any other op names the method of ``fuser.lower`` that writes it (``lowering``).
+* a pointwise op that PyTorch also computes on integer tensors (index arithmetic such as
+  ``perm // top_k``) gives its expression over the integer operands too (``integer``).
 
 canon reads the spellings, parameter names and kinds; regions asks :func:`lowers`; lower reads
 the expressions, the axis behaviour and the lowering. Adding an op is one entry here (plus a
@@ -55,6 +57,7 @@ class Op:
     result: str = SAME
     whole_block: bool = False  # needs the whole last axis in one program (it is never tiled)
     helpers: tuple[str, ...] = ()  # jit functions its expression calls
+    integer: str | Callable[..., str] | None = None  # pointwise on integer tensors: the integer expression
 
     def render(self, *operands: str | None) -> str:
         """The Triton expression for operand expressions ``operands`` (pointwise ops only)."""
@@ -141,12 +144,23 @@ def _pow(a: str, b: str) -> str:
     return f"tl.where(({b} == 0.0) | ({a} == 1.0), 1.0, tl.where({a} < 0.0, {signed}, {magnitude}))"
 
 
+def _floordiv(a: str, b: str) -> str:
+    """``a // b`` of integers by a positive literal, rounding toward minus infinity as PyTorch
+    does. Only non-negative numerators meet ``//`` here, where every convention agrees."""
+    return f"tl.where({a} >= 0, {a} // {b}, -((-{a} + ({b} - 1)) // {b}))"
+
+
+def integer_divisor(b) -> bool:
+    """Can ``_floordiv`` divide by ``b`` (a positive integer literal)?"""
+    return isinstance(b, int) and not isinstance(b, bool) and b > 0
+
+
 _REDUCE = ("dim", "keepdim")
 
 # --- the table ----------------------------------------------------------------------------------
 _ENTRIES = [
     # unary pointwise
-    Op("neg", POINTWISE, 1, "-{a}", spellings=("negative",)),
+    Op("neg", POINTWISE, 1, "-{a}", spellings=("negative",), integer="-{a}"),
     Op("abs", POINTWISE, 1, "tl.abs({a})", spellings=("absolute",)),
     Op("exp", POINTWISE, 1, "tl.exp({a})"),
     Op("exp2", POINTWISE, 1, "tl.exp2({a})"),
@@ -172,9 +186,10 @@ _ENTRIES = [
     Op("copy", POINTWISE, 1, "{a}"),
     Op("logical_not", POINTWISE, 1, "{a} == 0", spellings=("invert", "bitwise_not"), result=BOOL_RESULT),
     # binary pointwise
-    Op("add", POINTWISE, 2, "{a} + {b}", commutative=True),
-    Op("sub", POINTWISE, 2, "{a} - {b}", spellings=("subtract",)),
-    Op("mul", POINTWISE, 2, "{a} * {b}", spellings=("multiply",), commutative=True),
+    Op("add", POINTWISE, 2, "{a} + {b}", commutative=True, integer="{a} + {b}"),
+    Op("sub", POINTWISE, 2, "{a} - {b}", spellings=("subtract",), integer="{a} - {b}"),
+    Op("mul", POINTWISE, 2, "{a} * {b}", spellings=("multiply",), commutative=True, integer="{a} * {b}"),
+    Op("floordiv", POINTWISE, 2, spellings=("floor_divide",), integer=_floordiv),  # integers only
     Op("div", POINTWISE, 2, "{a} / {b}", spellings=("true_divide",)),
     Op("pow", POINTWISE, 2, _pow),
     Op("maximum", POINTWISE, 2, "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
@@ -218,6 +233,7 @@ _ENTRIES = [
     # indexing
     Op("gather_rows", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
     Op("gather_last", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
+    Op("group_rows", INDEX, 1, lowering="group_rows", whole_block=True),  # a row gather's rows, k per token
     Op("topk", INDEX, 1, lowering="topk", whole_block=True),
     Op("topk_values", INDEX, 1, lowering="pairs_and_parts", whole_block=True),
     Op("topk_indices", INDEX, 1, lowering="pairs_and_parts", whole_block=True, result=INDEX_RESULT),
@@ -239,7 +255,13 @@ COMMUTATIVE = frozenset(n for n, op in TABLE.items() if op.commutative)
 
 def pointwise(arity: int) -> frozenset[str]:
     """The pointwise ops of ``arity`` operands that canon reads as ``op(*args)``."""
-    return frozenset(n for n, op in TABLE.items() if op.kind == POINTWISE and op.arity == arity and op.triton)
+    return frozenset(n for n, op in TABLE.items() if op.kind == POINTWISE and op.arity == arity and (op.triton or op.integer))
+
+
+def integer_expression(name: str):
+    """The integer expression of pointwise op ``name``, or None when it has none."""
+    op = TABLE.get(name)
+    return op.integer if op else None
 
 
 def lowers(name: str) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.fx as fx
 
 from fuser import ops
@@ -433,16 +434,21 @@ def feeds(a: Region, b: Region) -> bool:
 
 
 def siblings(builder: RegionBuilder, a: Region, b: Region, traced) -> bool:
-    """Do ``a`` and ``b`` read the same activation (one floating-point tensor, or views of it)?
-    Two such kernels run as one (a horizontal fusion) where the program order allows."""
+    """Do ``a`` and ``b`` read the same activation (one floating-point tensor, or views of it,
+    or the same per-token positions, as MoE's gathers by ``perm``)? Two such kernels run as one
+    (a horizontal fusion) where the program order allows."""
 
     def activations(region):
         return {
             builder.alias[n] for n in region.inputs
-            if n.op != "get_attr" and traced.batch_dims(n) and traced.value(n).is_floating_point()
+            if n.op != "get_attr" and traced.batch_dims(n) and _activation_or_positions(traced.value(n))
         }  # fmt: skip
 
     return bool(activations(a) & activations(b))
+
+
+def _activation_or_positions(value) -> bool:
+    return value.is_floating_point() or value.dtype in (torch.int64, torch.int32)
 
 
 def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:

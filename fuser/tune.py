@@ -63,7 +63,7 @@ def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log:
             if key["kernel"] in seen:
                 continue
             seen.add(key["kernel"])
-            args = [values[n] for n in kernel.region.inputs]
+            args = values.inputs_of(kernel.region)
             targets = store_targets(kernel.region, values)  # where in-place outputs go
             times = {}
             for warps in WARPS:

@@ -105,7 +105,8 @@ def test_int32_spelling_counts_the_wrapped_ids():
         perm = torch.empty_like(ids)
         offsets = torch.empty(8, dtype=torch.int32)
         kernel = next(v for k, v in vars(module).items() if k.endswith("_kernel"))
-        kernel[(1,)](ids, 1, ids.numel(), sorted_ids, 1, perm, 1, offsets, 1, COUNT_INT32=count_int32, BLOCK=16, CHUNKS=1)
+        kernel[(1,)](ids, 1, ids.numel(), sorted_ids, 1, perm, 1, offsets, 1, COUNT_INT32=count_int32,
+               BLOCK=16, COUNT_BLOCK=16, COUNT_CHUNKS=1, RANK_BLOCK=16, RANK_CHUNKS=1)  # fmt: skip
         assert_same((sorted_ids, perm, offsets), reference(ids, 8, count_int32=count_int32))
     assert not torch.equal(reference(ids, 8, True)[2], reference(ids, 8, False)[2])
 

@@ -14,13 +14,13 @@ import fuser
 from examples.zoo import layers as zoo
 
 # transformers' grouped_mm experts (integrations/moe.py): the sort by expert and the expert
-# offsets (histc of the sorted ids, cast first, + cumsum) are one kernel (EXPERT_SORT below);
-# left eager: the token index of each sorted pair (perm // k), the gathers by the permutation
-# (hidden states, routing weights, and the output back by its inverse), the scatter that
-# inverts it (arange + setitem: an in-place write into a fresh buffer, which no pattern
-# matches), and the routing-weight multiply left alone between the down GEMM and a gather:
-# 7 launches.
-ROUTING = {"floordiv[int64]": 1, "index": 3, "mul": 1, "arange[int64]": 1, "setitem": 1}
+# offsets (histc of the sorted ids, cast first, + cumsum) are one kernel, the hidden rows of the
+# sorted pairs (hidden[perm // k]) another (EXPERT_SORT below); the routing weights, the gather
+# back by the inverse permutation and the sum over the k experts join the kernel after the down
+# GEMM. Left eager: the routing weights' gather by the permutation (one op alone: it is read,
+# at the gathered rows, by that last kernel), and the scatter that inverts the permutation
+# (arange + setitem: an in-place write into a fresh buffer, which no kernel writes): 3 launches.
+ROUTING = {"gather_rows": 1, "arange[int64]": 1, "setitem": 1}
 
 # The layer's last residual add: one op alone between the last GEMM and the output, it runs
 # as itself (a kernel of its own would be one launch too).
@@ -36,14 +36,17 @@ QK_NORM_ROPE = ["q_norm and k_norm with their RoPE (one kernel: both read the sa
 ROPE = ["RoPE of q and k (one kernel)"]
 # The expert sort of every grouped_mm MoE layer (patterns/expert_sort.py): sort, the histc
 # input's cast, histc and cumsum in one launch.
-EXPERT_SORT = ["experts: sorted ids, permutation and offsets (one kernel)"]
+EXPERT_SORT = [
+    "experts: sorted ids, permutation and offsets (one kernel)",
+    "experts: the hidden rows of the sorted pairs, hidden[perm // k] (one kernel)",
+]
 MOE_PROJ = [
     "input_layernorm",
     "residual add + post_attention_layernorm",
     "router: softmax (or top-k then softmax), top-k, renormalisation",
     *EXPERT_SORT,
     "experts' act(gate) * up",
-    "sum over the k experts + residual add",
+    "routing weights, the rows put back in token order, sum over the k experts + residual add",
 ]
 GEMMA_PROJ = [
     "input_layernorm",
@@ -59,7 +62,7 @@ DEEPSEEK_V3_PROJ = [
     *EXPERT_SORT,
     "routed experts' act(gate) * up",
     "shared expert's act(gate) * up",
-    "sum over the k experts + shared expert + residual add",
+    "routing weights, the rows put back in token order, sum over the k experts + shared expert + residual add",
 ]
 DEEPSEEK_V3_MLA = [
     "q_a_layernorm",
@@ -74,7 +77,7 @@ DEEPSEEK_V4_PROJ = [
     *EXPERT_SORT,
     "routed experts' clamped SwiGLU",
     "shared expert's clamped SwiGLU",
-    "FFN mHC post: routed + shared, stream expand and mix",
+    "FFN mHC post: routed rows weighted, put back in token order and summed, + shared, stream expand and mix",
 ]
 DEEPSEEK_V4_ATTENTION = [
     "q_a norm",

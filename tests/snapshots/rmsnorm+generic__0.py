@@ -53,7 +53,7 @@ def to_e4m3(x):
 
 
 @triton.jit
-def rmsnorm_generic_684cbdca8488_kernel(
+def rmsnorm_generic_0e3ee6c03454_kernel(
     in0_ptr, in0_stride_0, in0_stride_1, in0_stride_2,
     in1_ptr, in1_stride_row,
     in2_ptr, in2_stride_row, in2_stride_0,
@@ -66,64 +66,66 @@ def rmsnorm_generic_684cbdca8488_kernel(
     out3_ptr, out3_stride_row, out3_stride_0,
 ):
     row = tl.program_id(0).to(tl.int64)
-    in0 = tl.load(in2_ptr + row * in2_stride_row + tl.arange(0, 64) * in2_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # getitem_10
-    in1 = tl.load(in3_ptr + tl.arange(0, 64) * in3_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # self_attn_q_norm_weight
-    in2 = tl.load(in4_ptr + row * in4_stride_row + tl.arange(0, 32) * in4_stride_0)  # getitem_11
-    in3 = tl.load(in5_ptr + tl.arange(0, 32) * in5_stride_0)  # self_attn_kv_norm_weight
-    v4_idx = tl.load(in1_ptr + row * in1_stride_row)  # positions
-    v4 = tl.load(in0_ptr + v4_idx * in0_stride_0 + tl.arange(0, 4)[:, None] * in0_stride_1 + tl.arange(0, 2)[None, :] * in0_stride_2)  # getitem_9
-    v4_re, v4_im = tl.split(v4)
-    v5 = in0.to(tl.float32)  # float_3
-    v6 = v5 * v5  # pow_3
-    v7 = tl.expand_dims(tl.sum(tl.where((tl.arange(0, 64) < 48), v6, 0.0), axis=0), 0) / 48.0  # mean_2
-    v8 = v7 + 1e-06  # add_46
-    v9 = tl.rsqrt(v8)  # rsqrt_2
-    v10 = v5 * v9  # mul_8
-    v11 = v10 * in1.to(tl.float32)  # mul_9
-    v12 = to_bf16(v11)  # to_2
-    v13 = in2.to(tl.float32)  # float_6
-    v14 = v13 * v13  # pow_5
-    v15 = tl.expand_dims(tl.sum(v14, axis=0), 0) / 32.0  # mean_4
-    v16 = v15 + 1e-06  # add_48
-    v17 = tl.rsqrt(v16)  # rsqrt_4
-    v18 = v13 * v17  # mul_12
-    v19 = v18 * in3.to(tl.float32)  # mul_13
-    v20 = tl.sum(tl.where(tl.arange(0, 4)[:, None] == 3, tl.reshape(v19, (4, 8)), 0.0), axis=0)  # getitem_14
-    v21 = tl.reshape(v20, (4, 2))  # unflatten_3
-    v22_re, v22_im = tl.split(v21)  # view_as_complex_1
-    v23_re, v23_im = v22_re * v4_re - v22_im * v4_im, v22_re * v4_im + v22_im * v4_re  # mul_14
-    v24 = tl.join(v23_re, v23_im)  # view_as_real_1
-    v25 = tl.reshape(v24, (8,))  # flatten_2
-    v26 = to_bf16(v25)  # to_6
-    v27 = v19  # getitem_15
-    v28 = tl.reshape(v27, (4, 8))  # unflatten_4
-    v29 = tl.abs(v28)  # abs_1
-    v30 = tl.expand_dims(tl.max(tl.where((tl.arange(0, 4)[:, None] < 3), v29, float('-inf')), axis=1), 1)  # amax
-    v31 = tl.maximum(v30, 0.0001, propagate_nan=tl.PropagateNan.ALL)  # clamp
-    v32 = v31 / 448.0  # truediv_39
-    v33 = tl.log2(v32)  # log2
-    v34 = tl.ceil(v33)  # ceil
-    v35 = tl.exp2(v34)  # exp2
-    v36 = v35 * 0.5  # mul_15
-    v37 = v36 >= v32  # ge
-    v38 = v35 * 0.5  # mul_16
-    v39 = tl.where(v37, v38, v35)  # where
-    v40 = v39 < v32  # lt
-    v41 = v39 * 2.0  # mul_17
-    v42 = tl.where(v40, v41, v39)  # where_1
-    v43 = v28 / v42  # truediv_40
-    v44 = to_e4m3(v43)  # to_7
-    v45 = tl.reshape(v44, (32,))  # flatten_3
-    v46 = tl.reshape(v42, (4,))  # squeeze
-    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 64) * out0_stride_0, v12, mask=(tl.arange(0, 64) < 48))
-    tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 8) * out1_stride_0, v26)
-    tl.store(out2_ptr + row * out2_stride_row + tl.arange(0, 32) * out2_stride_0, v45, mask=(tl.arange(0, 32) < 24))
-    tl.store(out3_ptr + row * out3_stride_row + tl.arange(0, 4) * out3_stride_0, v46, mask=(tl.arange(0, 4) < 3))
+    in0 = tl.load(in1_ptr + row * in1_stride_row)  # positions
+    in1 = tl.load(in2_ptr + row * in2_stride_row + tl.arange(0, 64) * in2_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # getitem_10
+    in2 = tl.load(in3_ptr + tl.arange(0, 64) * in3_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # self_attn_q_norm_weight
+    in3 = tl.load(in4_ptr + row * in4_stride_row + tl.arange(0, 32) * in4_stride_0)  # getitem_11
+    in4 = tl.load(in5_ptr + tl.arange(0, 32) * in5_stride_0)  # self_attn_kv_norm_weight
+    v5_idx = in0  # positions
+    v5_idx = tl.minimum(tl.maximum(tl.where(v5_idx < 0, v5_idx + 64, v5_idx), 0), 64 - 1)
+    v5 = tl.load(in0_ptr + v5_idx * in0_stride_0 + tl.arange(0, 4)[:, None] * in0_stride_1 + tl.arange(0, 2)[None, :] * in0_stride_2)  # getitem_9
+    v5_re, v5_im = tl.split(v5)
+    v6 = in1.to(tl.float32)  # float_3
+    v7 = v6 * v6  # pow_3
+    v8 = tl.expand_dims(tl.sum(tl.where((tl.arange(0, 64) < 48), v7, 0.0), axis=0), 0) / 48.0  # mean_2
+    v9 = v8 + 1e-06  # add_46
+    v10 = tl.rsqrt(v9)  # rsqrt_2
+    v11 = v6 * v10  # mul_8
+    v12 = v11 * in2.to(tl.float32)  # mul_9
+    v13 = to_bf16(v12)  # to_2
+    v14 = in3.to(tl.float32)  # float_6
+    v15 = v14 * v14  # pow_5
+    v16 = tl.expand_dims(tl.sum(v15, axis=0), 0) / 32.0  # mean_4
+    v17 = v16 + 1e-06  # add_48
+    v18 = tl.rsqrt(v17)  # rsqrt_4
+    v19 = v14 * v18  # mul_12
+    v20 = v19 * in4.to(tl.float32)  # mul_13
+    v21 = tl.sum(tl.where(tl.arange(0, 4)[:, None] == 3, tl.reshape(v20, (4, 8)), 0.0), axis=0)  # getitem_14
+    v22 = tl.reshape(v21, (4, 2))  # unflatten_3
+    v23_re, v23_im = tl.split(v22)  # view_as_complex_1
+    v24_re, v24_im = v23_re * v5_re - v23_im * v5_im, v23_re * v5_im + v23_im * v5_re  # mul_14
+    v25 = tl.join(v24_re, v24_im)  # view_as_real_1
+    v26 = tl.reshape(v25, (8,))  # flatten_2
+    v27 = to_bf16(v26)  # to_6
+    v28 = v20  # getitem_15
+    v29 = tl.reshape(v28, (4, 8))  # unflatten_4
+    v30 = tl.abs(v29)  # abs_1
+    v31 = tl.expand_dims(tl.max(tl.where((tl.arange(0, 4)[:, None] < 3), v30, float('-inf')), axis=1), 1)  # amax
+    v32 = tl.maximum(v31, 0.0001, propagate_nan=tl.PropagateNan.ALL)  # clamp
+    v33 = v32 / 448.0  # truediv_39
+    v34 = tl.log2(v33)  # log2
+    v35 = tl.ceil(v34)  # ceil
+    v36 = tl.exp2(v35)  # exp2
+    v37 = v36 * 0.5  # mul_15
+    v38 = v37 >= v33  # ge
+    v39 = v36 * 0.5  # mul_16
+    v40 = tl.where(v38, v39, v36)  # where
+    v41 = v40 < v33  # lt
+    v42 = v40 * 2.0  # mul_17
+    v43 = tl.where(v41, v42, v40)  # where_1
+    v44 = v29 / v43  # truediv_40
+    v45 = to_e4m3(v44)  # to_7
+    v46 = tl.reshape(v45, (32,))  # flatten_3
+    v47 = tl.reshape(v43, (4,))  # squeeze
+    tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 64) * out0_stride_0, v13, mask=(tl.arange(0, 64) < 48))
+    tl.store(out1_ptr + row * out1_stride_row + tl.arange(0, 8) * out1_stride_0, v27)
+    tl.store(out2_ptr + row * out2_stride_row + tl.arange(0, 32) * out2_stride_0, v46, mask=(tl.arange(0, 32) < 24))
+    tl.store(out3_ptr + row * out3_stride_row + tl.arange(0, 4) * out3_stride_0, v47, mask=(tl.arange(0, 4) < 3))
 
 
 
 def launch(in0, in1, in2, in3, in4, in5):
-    """Run rmsnorm_generic_684cbdca8488_kernel: returns (out0, out1, out2, out3,)."""
+    """Run rmsnorm_generic_0e3ee6c03454_kernel: returns (out0, out1, out2, out3,)."""
     n_rows = in1.shape[0]
     out0 = torch.empty((n_rows, 48), dtype=torch.bfloat16, device=in1.device)
     out1 = torch.empty((n_rows, 8), dtype=torch.bfloat16, device=in1.device)
@@ -131,7 +133,7 @@ def launch(in0, in1, in2, in3, in4, in5):
     out3 = torch.empty((n_rows, 3), dtype=torch.float32, device=in1.device)
     in0_pairs = torch.view_as_real(in0.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        rmsnorm_generic_684cbdca8488_kernel[(n_rows,)](
+        rmsnorm_generic_0e3ee6c03454_kernel[(n_rows,)](
             in0_pairs, in0_pairs.stride(0), in0_pairs.stride(1), in0_pairs.stride(2),
             in1, in1.stride(0),
             in2, in2.stride(0), in2.stride(1),

@@ -47,7 +47,7 @@ def to_e4m3(x):
 
 
 @triton.jit
-def rmsnorm_weightless_generic_a595617b1ef2_kernel(
+def rmsnorm_weightless_generic_f7c7d0d2bb85_kernel(
     in0_ptr, in0_stride_0, in0_stride_1, in0_stride_2,
     in1_ptr, in1_stride_row,
     in2_ptr, in2_stride_row, in2_stride_0, in2_stride_1,
@@ -56,39 +56,41 @@ def rmsnorm_weightless_generic_a595617b1ef2_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1) * BLOCK_TILE + tl.arange(0, BLOCK_TILE)
-    in0 = tl.load(in2_ptr + row * in2_stride_row + tile[:, None] * in2_stride_0 + tl.arange(0, 32)[None, :] * in2_stride_1, mask=(tile[:, None] < 4), other=0.0)  # view
-    v1_idx = tl.load(in1_ptr + row * in1_stride_row)  # positions
-    v1 = tl.load(in0_ptr + v1_idx * in0_stride_0 + tl.arange(0, 4)[:, None] * in0_stride_1 + tl.arange(0, 2)[None, :] * in0_stride_2)  # getitem_9
-    v1_re, v1_im = tl.split(v1)
-    v2 = in0.to(tl.float32)  # float_4
-    v3 = v2 * v2  # pow_4
-    v4 = tl.expand_dims(tl.sum(tl.where((tile[:, None] < 4), v3, 0.0), axis=1), 1) / 32.0  # mean_3
-    v5 = v4 + 1e-06  # add_47
-    v6 = tl.rsqrt(v5)  # rsqrt_3
-    v7 = v2 * v6  # mul_10
-    v8 = to_bf16(v7)  # to_3
-    v9_re, v9_im = tl.expand_dims(v1_re, 0), tl.expand_dims(v1_im, 0)  # unsqueeze_1
-    v10 = v8  # getitem_12
-    v11 = tl.sum(tl.where(tl.arange(0, 4)[None, :, None] == 3, tl.reshape(v8.to(tl.float32), (4, 4, 8)), 0.0), axis=1)  # getitem_13
-    v12 = v11.to(tl.float32)  # float_5
-    v13 = tl.reshape(v12, (4, 4, 2))  # unflatten_2
-    v14_re, v14_im = tl.split(v13)  # view_as_complex
-    v15_re, v15_im = v14_re * v9_re - v14_im * v9_im, v14_re * v9_im + v14_im * v9_re  # mul_11
-    v16 = tl.join(v15_re, v15_im)  # view_as_real
-    v17 = tl.reshape(v16, (4, 8))  # flatten_1
-    v18 = to_bf16(v17)  # to_4
-    tl.store(out0_ptr + row * out0_stride_row + tile[:, None] * out0_stride_0 + (tl.arange(0, 32)[None, :] + 0) * out0_stride_1, v10, mask=(tile[:, None] < 4) & (tl.arange(0, 32)[None, :] < 24))
-    tl.store(out0_ptr + row * out0_stride_row + tile[:, None] * out0_stride_0 + (tl.arange(0, 8)[None, :] + 24) * out0_stride_1, v18, mask=(tile[:, None] < 4))
+    in0 = tl.load(in1_ptr + row * in1_stride_row)  # positions
+    in1 = tl.load(in2_ptr + row * in2_stride_row + tile[:, None] * in2_stride_0 + tl.arange(0, 32)[None, :] * in2_stride_1, mask=(tile[:, None] < 4), other=0.0)  # view
+    v2_idx = in0  # positions
+    v2_idx = tl.minimum(tl.maximum(tl.where(v2_idx < 0, v2_idx + 64, v2_idx), 0), 64 - 1)
+    v2 = tl.load(in0_ptr + v2_idx * in0_stride_0 + tl.arange(0, 4)[:, None] * in0_stride_1 + tl.arange(0, 2)[None, :] * in0_stride_2)  # getitem_9
+    v2_re, v2_im = tl.split(v2)
+    v3 = in1.to(tl.float32)  # float_4
+    v4 = v3 * v3  # pow_4
+    v5 = tl.expand_dims(tl.sum(tl.where((tile[:, None] < 4), v4, 0.0), axis=1), 1) / 32.0  # mean_3
+    v6 = v5 + 1e-06  # add_47
+    v7 = tl.rsqrt(v6)  # rsqrt_3
+    v8 = v3 * v7  # mul_10
+    v9 = to_bf16(v8)  # to_3
+    v10_re, v10_im = tl.expand_dims(v2_re, 0), tl.expand_dims(v2_im, 0)  # unsqueeze_1
+    v11 = v9  # getitem_12
+    v12 = tl.sum(tl.where(tl.arange(0, 4)[None, :, None] == 3, tl.reshape(v9.to(tl.float32), (4, 4, 8)), 0.0), axis=1)  # getitem_13
+    v13 = v12.to(tl.float32)  # float_5
+    v14 = tl.reshape(v13, (4, 4, 2))  # unflatten_2
+    v15_re, v15_im = tl.split(v14)  # view_as_complex
+    v16_re, v16_im = v15_re * v10_re - v15_im * v10_im, v15_re * v10_im + v15_im * v10_re  # mul_11
+    v17 = tl.join(v16_re, v16_im)  # view_as_real
+    v18 = tl.reshape(v17, (4, 8))  # flatten_1
+    v19 = to_bf16(v18)  # to_4
+    tl.store(out0_ptr + row * out0_stride_row + tile[:, None] * out0_stride_0 + (tl.arange(0, 32)[None, :] + 0) * out0_stride_1, v11, mask=(tile[:, None] < 4) & (tl.arange(0, 32)[None, :] < 24))
+    tl.store(out0_ptr + row * out0_stride_row + tile[:, None] * out0_stride_0 + (tl.arange(0, 8)[None, :] + 24) * out0_stride_1, v19, mask=(tile[:, None] < 4))
 
 
 
 def launch(in0, in1, in2):
-    """Run rmsnorm_weightless_generic_a595617b1ef2_kernel: returns (out0,)."""
+    """Run rmsnorm_weightless_generic_f7c7d0d2bb85_kernel: returns (out0,)."""
     n_rows = in1.shape[0]
     out0 = torch.empty((n_rows, 4, 32), dtype=torch.bfloat16, device=in1.device)
     in0_pairs = torch.view_as_real(in0.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        rmsnorm_weightless_generic_a595617b1ef2_kernel[(n_rows, triton.cdiv(4, 4))](
+        rmsnorm_weightless_generic_f7c7d0d2bb85_kernel[(n_rows, triton.cdiv(4, 4))](
             in0_pairs, in0_pairs.stride(0), in0_pairs.stride(1), in0_pairs.stride(2),
             in1, in1.stride(0),
             in2, in2.stride(0), in2.stride(1), in2.stride(2),

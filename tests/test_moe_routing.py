@@ -1,0 +1,60 @@
+"""MoE routing glue in row programs: integer index arithmetic, row gathers from tables with
+rows of another count (``hidden[perm // top_k]``), and the gathered rows regrouped per token
+and summed (``out[inv_perm].view(T, k, H).sum(1)``) — each against eager PyTorch."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+from tests.test_expert_sort import GroupedExperts, _experts_inputs
+
+
+class GatherByQuotient(nn.Module):
+    """``table[index // 3]`` with negative quotients (rows counted from the end, as PyTorch)."""
+
+    def forward(self, table, index):
+        return table[index // 3] * 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_floor_division_and_row_gather_match_pytorch(T, dtype):
+    generator = torch.Generator().manual_seed(T)
+    table = torch.randn(T, 40, generator=generator).to(dtype)
+    index = torch.randint(-3 * T, 3 * T, (T,), generator=generator)
+    index[0] = -1  # -1 // 3 is -1 (floor), the last row; truncation would give row 0
+    module = GatherByQuotient()
+    result = fuser.check(module, (table, index))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()
+    assert torch.equal(module(table, index), table[index // 3] * 2.0)
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (7, 2, 8), (33, 4, 16)])
+def test_moe_gathers_and_the_sum_over_experts_are_one_kernel(T, k, E):
+    """transformers' grouped_mm routing (with the GEMMs replaced by a scale): the gathers by
+    ``perm``, the weighting, the gather by the inverse permutation and the sum over the k
+    experts of each token are one kernel; the sort is another; the inverse permutation's
+    ``arange`` and index write stay eager. Validation reads the inverse permutation as the
+    write leaves it, not as ``empty_like`` made it."""
+    module = GroupedExperts(E)
+    inputs = _experts_inputs(T, k, E, seed=T)
+    expected = module(*inputs)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    report = result.report
+    assert report.launches_after == 4, report.text()
+    assert {u.op for u in report.unfused} == {"arange[int64]", "setitem"}, report.text()
+    got = module(*inputs)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], expected[1])
+
+
+@pytest.mark.gpu
+def test_moe_routing_kernels_on_the_gpu():
+    module = GroupedExperts(16)
+    inputs = tuple(x.cuda() for x in _experts_inputs(64, 4, 16, seed=3))
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    assert result.report.launches_after == 4, result.report.text()
