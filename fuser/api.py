@@ -93,7 +93,7 @@ class Recorded(dict):
 def _position_index(region: Region) -> int:
     position = region.position
     if position is None:
-        return 1 << 62
+        return -1  # no place in the program yet: read as recorded
     return next(i for i, n in enumerate(position.graph.nodes) if n is position)
 
 
