@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import threading
 from dataclasses import dataclass, field
@@ -79,43 +78,33 @@ class Recorded(dict):
     """Every node's eager value (``record_values``), and what in-place writes left in the
     tensors they wrote: ``written[target]`` lists (graph position, value after the write)."""
 
-    def __init__(self):
+    def __init__(self, order: dict[fx.Node, int]):
         super().__init__()
+        self.order = order  # node -> its position in the graph
         self.written: dict[fx.Node, list[tuple[int, torch.Tensor]]] = {}
 
     def inputs_of(self, region: Region) -> list:
         """The region's inputs as its kernel reads them: after the in-place writes that run
-        before it (``inv[perm] = arange(n)`` fills the ``empty_like`` a later gather reads)."""
-        at = _position_index(region)
+        before it (``inv[perm] = arange(n)`` fills the ``empty_like`` a later gather reads).
+        A region with no place in the program yet reads them as recorded."""
+        at = self.order.get(region.position, -1)
         return [next((v for i, v in reversed(self.written.get(n, [])) if i < at), self[n]) for n in region.inputs]
 
 
-def _position_index(region: Region) -> int:
-    position = region.position
-    if position is None:
-        return -1  # no place in the program yet: read as recorded
-    return next(i for i, n in enumerate(position.graph.nodes) if n is position)
-
-
-def _writes_in_place(node: fx.Node) -> bool:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (node.target is operator.setitem or name.endswith("_") and not name.startswith("_")) and bool(node.args)
-
-
-def record_values(module: torch.nn.Module, traced: Traced) -> Recorded:
+def record_values(module: torch.nn.Module, traced: Traced, cops: dict) -> Recorded:
     """Every node's eager value on the example inputs, cloned when produced (before any write);
     parameters as they are (the forward never writes them, and experts' weights are large)."""
-    values = Recorded()
-    order = {n: i for i, n in enumerate(traced.graph.nodes)}
+    values = Recorded({n: i for i, n in enumerate(traced.graph.nodes)})
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
             result = super().run_node(n)
             fresh = isinstance(result, torch.Tensor) and not isinstance(result, torch.nn.Parameter)
             values[n] = result.clone() if fresh else result
-            target = n.args[0] if n.op in ("call_function", "call_method") and _writes_in_place(n) else None
-            if isinstance(target, fx.Node) and isinstance(self.env.get(target), torch.Tensor):
-                values.written.setdefault(target, []).append((order[n], self.env[target].clone()))
+            cop = cops.get(n)
+            target = cop.args[0] if cop is not None and cop.kind == MUTATION and cop.args else None
+            if isinstance(self.env.get(target), torch.Tensor):  # an in-place write to its first operand
+                values.written.setdefault(target, []).append((values.order[n], self.env[target].clone()))
             return result
 
     gm = fx.GraphModule(module, traced.graph)
@@ -314,7 +303,7 @@ def plan(
     _store_in_place(kernels, builder, traced, cops)
 
     if validate:
-        values = record_values(module, traced)
+        values = record_values(module, traced, cops)
         pending, kernels = kernels, []
         while pending:
             kernel = pending.pop(0)

@@ -258,7 +258,7 @@ class Canonicalizer:
             return special[name](node)
         if name in _CONSTANTS:
             return self._constant(node, name)
-        if ops.kind(name) == ops.POINTWISE and not ops.TABLE[name].triton and not self._index_arithmetic(node, name, value):
+        if ops.kind(name) == ops.POINTWISE and not ops.TABLE[name].triton and not index_ok:  # integers only
             return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, _tensor_args(node))
         if ops.kind(name) in (ops.POINTWISE, ops.REDUCTION, ops.NORMALIZATION):
             return self._compute(node, name)
@@ -307,13 +307,14 @@ class Canonicalizer:
         integer expression, on tensors of the result's integer dtype and integer literals."""
         if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:
             return False
-        args = node.args
-        for arg in args:
-            if isinstance(arg, fx.Node) and not (isinstance(self.value(arg), torch.Tensor) and self.value(arg).dtype == value.dtype):
+        for arg in node.args:
+            if isinstance(arg, fx.Node):
+                operand = self.value(arg)
+                if not (isinstance(operand, torch.Tensor) and operand.dtype == value.dtype):
+                    return False
+            elif not isinstance(arg, int) or isinstance(arg, bool):
                 return False
-            if not isinstance(arg, (fx.Node, int)) or isinstance(arg, bool):
-                return False
-        return name != "floordiv" or (len(args) == 2 and ops.integer_divisor(args[1]))
+        return name != "floordiv" or (len(node.args) == 2 and ops.integer_divisor(node.args[1]))
 
     def _row_gather(self, table, index) -> bool:
         """``table[index]``: one row of a table per index, the table token-independent (an

@@ -224,21 +224,24 @@ class _Lowerer:
         return found
 
     def _table_values(self, table: fx.Node) -> set[fx.Node]:
-        """``table`` and the kernel's nodes that compute it (pointwise, casts, unit axes)."""
+        """``table`` and the kernel's nodes that compute it (pointwise, casts, unit axes, row
+        gathers with the tables they read)."""
         found, todo = set(), [table]
         while todo:
             node = todo.pop()
             if node in found:
                 continue
             found.add(node)
-            if node in self.nodes:
-                cop = self.cops[node]
-                gather = cop.op == "gather_rows"
-                if ops.kind(cop.op) != ops.POINTWISE and not gather and not (cop.op == "reshape" and cop.kind == UNIT_VIEW):
-                    raise LoweringError(f"`{node.name}` ({cop.op}) cannot be computed at gathered rows", node)
-                todo += [a for a in cop.args[1:] if isinstance(a, fx.Node)] if gather else [a for a in cop.args if isinstance(a, fx.Node)]
-            if node in self.nodes and self.cops[node].op == "gather_rows":
-                found.add(self.cops[node].args[0])  # its table: read at the rows its index names
+            if node not in self.nodes:
+                continue
+            cop = self.cops[node]
+            if cop.op == "gather_rows":  # its table is read at the rows its index names there
+                found.add(cop.args[0])
+                todo.append(cop.args[1])
+            elif ops.kind(cop.op) == ops.POINTWISE or (cop.op == "reshape" and cop.kind == UNIT_VIEW):
+                todo += [a for a in cop.args if isinstance(a, fx.Node)]
+            else:
+                raise LoweringError(f"`{node.name}` ({cop.op}) cannot be computed at gathered rows", node)
         return found
 
     def _check_rows(self):
@@ -1052,7 +1055,7 @@ class _AtRows:
         cop = self.lowerer.cops[node]
         dtype = self.lowerer.traced.value(node).dtype
         rank = len(self.lowerer.block_shape(node)) + 1
-        if cop.op == "reshape":  # unit axes inserted (checked by _table_values' caller)
+        if cop.op == "reshape":  # a unit-axis view: only inserted unit axes are followed here
             src = cop.args[0]
             inserted = _inserted_axes(self.lowerer.block_shape(src), self.lowerer.block_shape(node))
             if inserted is None:
@@ -1083,7 +1086,7 @@ class _AtRows:
                 for _ in range(rank - 1 - len(self.lowerer.block_shape(arg))):
                     expr = f"tl.expand_dims({expr}, 1)"
             operands.append(expr)
-        self.lowerer.helpers.update(ops.TABLE[cop.op].helpers)
+        self.lowerer.helpers.update(entry.helpers)
         expr = ops.render(_EXPRESSIONS[cop.op], *operands)
         return self._line(node, expr if dtype in (torch.float32, torch.bool) else rounded(expr, dtype), dtype)
 

@@ -54,7 +54,7 @@ def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log:
     entries, seen = [], set()
     for name, plan in plans.items():
         module = root.get_submodule(name) if name else root
-        values = record_values(module, plan.traced)
+        values = record_values(module, plan.traced, plan.cops)
         for kernel in plan.kernels:
             spec = kernel.spec
             if spec is None or spec.program is None:
