@@ -175,17 +175,36 @@ def _unordered_outputs(traced: Traced, cops, got, expected):
 def _unstable_sort_ties(region: Region, cops, values, got: list, expected: list) -> tuple[list, list]:
     """``torch.sort(stable=False)`` may order equal keys either way, so the kernel and eager may
     give different permutations for the same sort. A permutation output of such a sort is
-    compared with each run of equal sorted keys in ascending order (:func:`_ties_in_order`)."""
+    compared with each run of equal sorted keys in ascending order (:func:`_ties_in_order`);
+    the inverse of one (:func:`fuser.idioms.inverse_permutation`) as the inverse of that."""
     got, expected = list(got), list(expected)
     for i, node in enumerate(region.outputs):
         cop = cops[node]
-        sort = cops.get(cop.args[0]) if cop.op == "element" and cop.attr("part") == 1 else None
-        if sort is None or sort.op != "sort" or sort.attr("stable") or not isinstance(got[i], torch.Tensor):
+        inverse = cop.op == "inverse_permutation"
+        sort = _unstable_sort(cops[cop.args[0]] if inverse else cop, cops)
+        if sort is None or not isinstance(got[i], torch.Tensor):
             continue
+        if inverse and (_inverted(got[i]) is None or _inverted(expected[i]) is None):
+            continue  # not a permutation: compared as it is
+        pair = [_inverted(got[i]), _inverted(expected[i])] if inverse else [got[i], expected[i]]
         dim = sort.attr("dim")
-        keys = values[sort.args[0]].take_along_dim(expected[i], dim)  # the sorted keys, as eager has them
-        got[i], expected[i] = _ties_in_order(got[i], keys, dim), _ties_in_order(expected[i], keys, dim)
+        keys = values[sort.args[0]].take_along_dim(pair[1], dim)  # the sorted keys, as eager has them
+        pair = [_ties_in_order(p, keys, dim) for p in pair]
+        got[i], expected[i] = [_inverted(p) for p in pair] if inverse else pair
     return got, expected
+
+
+def _unstable_sort(cop, cops):
+    """The ``torch.sort(stable=False)`` whose permutation ``cop`` picks, or None."""
+    sort = cops.get(cop.args[0]) if cop.op == "element" and cop.attr("part") == 1 else None
+    return sort if sort is not None and sort.op == "sort" and not sort.attr("stable") else None
+
+
+def _inverted(perm: torch.Tensor) -> torch.Tensor | None:
+    """The inverse of a 1-D permutation of 0 .. n-1, or None when ``perm`` is not one."""
+    if perm.dim() != 1 or not torch.equal(perm.sort().values, torch.arange(perm.shape[0], device=perm.device)):
+        return None
+    return torch.argsort(perm)
 
 
 def _ties_in_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor:

@@ -224,6 +224,8 @@ class Canonicalizer:
             return self._make(node, "empty", META)  # an allocation, of any dtype: no kernel, no launch
         if name in ("histc", "cumsum"):
             return getattr(self, f"_{name}")(node)
+        if name == "inverse_permutation":  # fuser.idioms: no template lowers it by itself
+            return self._make(node, name, UNSUPPORTED, node.args[:1])
         if _integer_cast(node, value, self.value(source)):
             # no kernel computes integers yet; a cast like any other, so that the spellings of
             # one chain that cast to different dtypes per device compare (x.float() / x.int())
@@ -349,7 +351,9 @@ class Canonicalizer:
         columns = self._last_axis_slice(src, out, inp)
         if columns is not None and self._computed(src):
             # A slice of a value a kernel computes: taken in registers when both share a kernel.
-            return self._make(node, "slice", UNIT_VIEW, (src,), {"start": columns[0], "stop": columns[1]})
+            start, stop, step = columns
+            attrs = {"start": start, "stop": stop, **({"step": step} if step != 1 else {})}
+            return self._make(node, "slice", UNIT_VIEW, (src,), attrs)
         return self._make(
             node, "view", VIEW, (src,),
             {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
@@ -379,20 +383,26 @@ class Canonicalizer:
             if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)
         )
 
-    def _last_axis_slice(self, src, out, inp) -> tuple[int, int] | None:
-        """(start, stop) when ``out`` is ``inp[..., start:stop]`` along a non-token last axis."""
+    def _last_axis_slice(self, src, out, inp) -> tuple[int, int, int] | None:
+        """(start, stop, step) when ``out`` is ``inp[..., start:stop:step]`` along a non-token
+        last axis: a range of columns (step 1), or every other column (``x[..., ::2]``,
+        ``x[..., 1::2]``: GPT-OSS's interleaved gate and up)."""
         rank = inp.dim()
-        if not rank or out.dim() != rank or out.shape[:-1] != inp.shape[:-1] or out.stride() != inp.stride():
+        if not rank or out.dim() != rank or out.shape[:-1] != inp.shape[:-1] or out.stride()[:-1] != inp.stride()[:-1]:
             return None
         if (rank - 1) in self.batch_dims(src) or inp.shape[-1] <= 1:
             return None
-        step = inp.stride(-1)
+        column = inp.stride(-1)
         offset = out.storage_offset() - inp.storage_offset()
-        if step <= 0 or offset < 0 or offset % step:
+        if column <= 0 or offset < 0 or offset % column:
             return None
-        start = offset // step
+        start = offset // column
+        if out.stride(-1) == 2 * column:  # every other column, to the end
+            every_other = start in (0, 1) and inp.shape[-1] % 2 == 0 and out.shape[-1] == inp.shape[-1] // 2
+            return (start, inp.shape[-1], 2) if every_other else None
         stop = start + out.shape[-1]
-        return (start, stop) if stop <= inp.shape[-1] and (start, stop) != (0, inp.shape[-1]) else None
+        whole = (start, stop) == (0, inp.shape[-1])
+        return (start, stop, 1) if out.stride(-1) == column and stop <= inp.shape[-1] and not whole else None
 
     def _computed(self, node) -> bool:
         """Is ``node`` a value glue computes (not an input or a heavy op's result, or a view of one)?"""
@@ -721,7 +731,11 @@ def is_glue(cop: COp) -> bool:
 def eager_launches(cop: COp) -> int:
     """Kernel launches this node costs when run eagerly (views and no-ops cost none)."""
     if cop.kind in (COMPUTE, MUTATION, UNSUPPORTED) and cop.op != "identity":
-        return 1
+        return _EAGER_LAUNCHES.get(cop.op, 1)
     return 0
+
+
+#: Ops that launch more than one kernel eagerly: fuser.idioms' arange and index write.
+_EAGER_LAUNCHES = {"inverse_permutation": 2}
 
 

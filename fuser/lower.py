@@ -727,6 +727,12 @@ class _Lowerer:
         start, stop = cop.attr("start"), cop.attr("stop")
         shape = self.padded(src)
         rank, last, width = len(shape), shape[-1], pow2(stop - start)
+        if cop.attr("step", 1) == 2:  # every other column: the block's pairs split in two
+            pairs = f"tl.reshape({expr}, {shape[:-1] + (last // 2, 2)})"
+            self.lines.append(f"{name}_even, {name}_odd = tl.split({pairs})  # {node.name}")
+            self.names[node] = f"{name}_odd" if start else f"{name}_even"
+            self.dtypes[node] = self.dtypes[src]
+            return
         if start == 0 and width == last:
             picked = expr  # the same block; the columns past ``stop`` are masked from here on
         elif start % width == 0 and last % width == 0:
@@ -1035,17 +1041,20 @@ class _AtRows:
         """``node``: input ``source`` (by default itself) loaded at ``rows`` (by default the
         gathered rows)."""
         operand = self.operands[source or node]
-        if not operand.has_rows or operand.broadcast_rows:
+        if operand.broadcast_rows or not (operand.has_rows or (rows and operand.shape)):
             raise LoweringError(f"`{node.name}`: a gathered table's input must have its rows", node)
-        shape = operand.shape
+        if operand.has_rows:
+            shape, first, count, stride_row = operand.shape, 0, f"{operand.name}_rows", f"{operand.name}_stride_row"
+        else:  # a table of fixed rows (a parameter: the experts' biases by sorted expert id)
+            shape, first, count, stride_row = operand.shape[1:], 1, str(operand.shape[0]), f"{operand.name}_stride_0"
         rank = len(shape) + 1
         picks = _expand(f"tl.arange(0, {pow2(self.k)})", 0, rank)
-        at = _wrapped(rows or self.rows, f"{operand.name}_rows")
-        terms = [f"{operand.name}_ptr", f"{_expand(f'({at})', 0, rank)} * {operand.name}_stride_row"]
+        at = _wrapped(rows or self.rows, count)
+        terms = [f"{operand.name}_ptr", f"{_expand(f'({at})', 0, rank)} * {stride_row}"]
         masks = [f"({picks} < {self.k})"]
         for axis, size in enumerate(shape):
             index = _expand(f"tl.arange(0, {pow2(size)})", axis + 1, rank)
-            terms.append(f"{index} * {operand.name}_stride_{axis}")
+            terms.append(f"{index} * {operand.name}_stride_{axis + first}")
             if pow2(size) != size:
                 masks.append(f"({index} < {size})")
         expr = f"tl.load({' + '.join(terms)}, mask={' & '.join(masks)}, other=0.0)"

@@ -274,6 +274,13 @@ class RegionBuilder:
         regions = []
         for component in components(candidates, pool, depth, self.args_of):
             regions += self._place(component)
+        # Ops left alone by the depth split may still run together where a path between them
+        # stays inside the pool (a gather by a sorted index feeding the add after a GEMM).
+        placed = set().union(*(r.covered for r in regions)) if regions else set()
+        alone = [n for n in candidates if n not in placed]
+        for component in components(alone, set(alone), {}, self.args_of):
+            if len(component) > 1:
+                regions += self._place(component)
         return regions
 
     def regroup(self, nodes: list[fx.Node]) -> list[Region]:
@@ -397,21 +404,25 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
         return None
     pending = set(leftovers)
     wider = None
-    for node in leftovers:
-        current = wider or region
-        covered = current.covered
-        if node in covered or builder.view_of_input(node):
-            continue
-        args = builder.args_of(node)
-        epilogue = any(a in covered for a in args) and all(a in covered or a not in pending for a in args)
-        prologue = any(u in covered for u in builder.users_outside(node, set()))
-        # A constant (``x.new_zeros(shape)``) reads no value: a kernel of its rows may write it.
-        constant = builder.cops[node].op == "full"
-        if epilogue or prologue or constant:
-            candidate = _grown(builder, region, current, node)
-            if candidate is not None:
-                wider = candidate
-                pending.discard(node)
+    grew = True
+    while grew:  # an op that joined may make the one before it a prologue too
+        grew = False
+        for node in leftovers:
+            current = wider or region
+            covered = current.covered
+            if node not in pending or node in covered or builder.view_of_input(node):
+                continue
+            args = builder.args_of(node)
+            epilogue = any(a in covered for a in args) and all(a in covered or a not in pending for a in args)
+            prologue = any(u in covered for u in builder.users_outside(node, set()))
+            # A constant (``x.new_zeros(shape)``) reads no value: a kernel of its rows may write it.
+            constant = builder.cops[node].op == "full"
+            if epilogue or prologue or constant:
+                candidate = _grown(builder, region, current, node)
+                if candidate is not None:
+                    wider = candidate
+                    pending.discard(node)
+                    grew = True
     return wider
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
+from fuser import idioms
 from fuser.opaque import is_opaque
 from fuser.signature import CallSpec
 
@@ -627,6 +628,7 @@ def trace(
             if leaf is None:
                 raise
             automatic.append(leaf)
+    idioms.rewrite(graph, tracer.shadows)
     _drop_unused_size_reads(graph)
     return Traced(
         root=module,

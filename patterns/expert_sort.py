@@ -10,10 +10,16 @@ compares the permutation up to that freedom. ``histc`` counts the ids 0 .. bins-
 own bin and drops the ids outside that range (expert parallelism's sentinels); it takes its
 input as float32 on the CPU and MPS and as int32 elsewhere, as transformers writes it, so the
 reference does the same and the kernel counts what that cast gives.
+
+Where the layer puts its rows back in token order with the inverse permutation
+(``inv[perm] = arange(S)``, :func:`fuser.idioms.inverse_permutation`), the kernel writes that
+too: it is where each id goes, which the sort computes anyway. ``inverse`` is 1 for a layer
+that builds it and 0 for one that does not.
 """
 
 import torch
 
+from fuser.idioms import inverse_permutation
 from fuser.pattern import Param, tensor
 
 #: Most experts the kernel counts: up to here histc's float32 bin arithmetic puts every id in
@@ -21,17 +27,19 @@ from fuser.pattern import Param, tensor
 MAX_EXPERTS = 1024
 
 
-def reference(expert_ids, bins=Param(8), top=Param(7)):
+def reference(expert_ids, bins=Param(8), top=Param(7), inverse=Param(1, search=(0, 1))):
     sorted_ids, perm = torch.sort(expert_ids)
     counted = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
     counts = torch.histc(counted, bins=bins, min=0, max=top)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    if inverse:
+        return sorted_ids, perm, offsets, inverse_permutation(perm)
     return sorted_ids, perm, offsets
 
 
 PATTERN = dict(
     template="expert_sort",
     inputs=dict(expert_ids=tensor("T", "int64")),
-    outputs=("sorted_ids", "perm", "offsets"),
+    outputs=("sorted_ids", "perm", "offsets", "inverse"),
     constraint=lambda bins, top: top == bins - 1 and 1 <= bins <= MAX_EXPERTS,
 )

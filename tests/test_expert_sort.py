@@ -13,31 +13,34 @@ from fuser.api import _ties_in_order
 from fuser.emit import KernelSpec, emit
 from fuser.lower import Operand
 
-OUTPUTS = ("sorted_ids", "perm", "offsets")
+OUTPUTS = ("sorted_ids", "perm", "offsets", "inverse")
 
 
 def expert_sort_kernel(num_experts: int, outputs=OUTPUTS):
     """The rendered kernel module and its launcher, for ``num_experts`` bins."""
-    dtypes = dict(sorted_ids=torch.int64, perm=torch.int64, offsets=torch.int32)
+    dtypes = dict(sorted_ids=torch.int64, perm=torch.int64, offsets=torch.int32, inverse=torch.int64)
     operands = [
         Operand(name, name, (num_experts,) if name == "offsets" else (), dtypes[name], name != "offsets") for name in outputs
     ]
     spec = KernelSpec(
         "expert_sort", "expert_sort", [Operand("in0", "expert_ids", (), torch.int64, True)], operands,
-        {"bins": num_experts, "top": num_experts - 1},
+        {"bins": num_experts, "top": num_experts - 1, "inverse": int("inverse" in outputs)},
     )  # fmt: skip
     return emit(spec)
 
 
 def reference(expert_ids: torch.Tensor, num_experts: int, count_int32: bool = False):
-    """Stable sort, and the cumulative histc counts of the ids cast as transformers casts them."""
+    """Stable sort, the cumulative histc counts of the ids cast as transformers casts them, and
+    the inverse permutation."""
     sorted_ids, perm = torch.sort(expert_ids, stable=True)
     if count_int32:  # CUDA's .int() spelling; the CPU's histc takes no integers, so count directly
         wrapped = sorted_ids.int().long()
         counts = torch.stack([(wrapped == e).sum() for e in range(num_experts)])
     else:
         counts = torch.histc(sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
-    return sorted_ids, perm, torch.cumsum(counts, dim=0, dtype=torch.int32)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    return sorted_ids, perm, torch.cumsum(counts, dim=0, dtype=torch.int32), inverse
 
 
 def routed_ids(T: int, k: int, E: int, seed: int) -> torch.Tensor:
@@ -104,10 +107,11 @@ def test_int32_spelling_counts_the_wrapped_ids():
         sorted_ids = torch.empty_like(ids)
         perm = torch.empty_like(ids)
         offsets = torch.empty(8, dtype=torch.int32)
+        inverse = torch.empty_like(ids)
         kernel = next(v for k, v in vars(module).items() if k.endswith("_kernel"))
-        kernel[(1,)](ids, 1, ids.numel(), sorted_ids, 1, perm, 1, offsets, 1, COUNT_INT32=count_int32,
+        kernel[(1,)](ids, 1, ids.numel(), sorted_ids, 1, perm, 1, offsets, 1, inverse, 1, COUNT_INT32=count_int32,
                BLOCK=16, COUNT_BLOCK=16, COUNT_CHUNKS=1, RANK_BLOCK=16, RANK_CHUNKS=1)  # fmt: skip
-        assert_same((sorted_ids, perm, offsets), reference(ids, 8, count_int32=count_int32))
+        assert_same((sorted_ids, perm, offsets, inverse), reference(ids, 8, count_int32=count_int32))
     assert not torch.equal(reference(ids, 8, True)[2], reference(ids, 8, False)[2])
 
 
@@ -126,7 +130,7 @@ def test_outputs_nobody_reads_are_not_stored():
     assert "sorted_ids_ptr" not in source and "perm_ptr" in source
     ids = routed_ids(9, 2, 8, seed=3)
     perm, offsets = launch(ids)
-    _, expected_perm, expected_offsets = reference(ids, 8)
+    _, expected_perm, expected_offsets, _ = reference(ids, 8)
     assert torch.equal(perm, expected_perm) and torch.equal(offsets, expected_offsets)
 
 
@@ -135,10 +139,11 @@ def test_more_ids_than_one_program_sorts_run_the_eager_ops():
     module = _module_of(path)
     ids = routed_ids(1100, 8, 8, seed=4)  # 8800 > MAX_IDS
     assert ids.numel() > module.MAX_IDS
-    sorted_ids, perm, offsets = launch(ids)
+    sorted_ids, perm, offsets, inverse = launch(ids)
     expected = reference(ids, 8)
     assert torch.equal(sorted_ids, expected[0]) and torch.equal(offsets, expected[2])
     assert torch.equal(ids[perm], sorted_ids) and torch.equal(perm.sort().values, torch.arange(ids.numel()))
+    assert torch.equal(perm[inverse], torch.arange(ids.numel()))
 
 
 # --- in a model ---------------------------------------------------------------------------------
@@ -222,9 +227,10 @@ def test_transformers_moe_layers_fuse_the_expert_sort(name):
     assert result.ok, result.problems
     report = result.report
     (chain,) = [c for c in report.chains if c.pattern == "expert_sort"]
-    assert chain.launches_replaced == 4, report.text()  # sort, the histc input's cast, histc, cumsum
+    # sort, the histc input's cast, histc, cumsum, and the inverse permutation's arange and index write
+    assert chain.launches_replaced == 6, report.text()
     left = {u.op for u in report.unfused}
-    assert not left & {"sort", "histc", "cumsum", "cast"}, report.text()
+    assert not left & {"sort", "histc", "cumsum", "cast", "inverse_permutation"}, report.text()
 
 
 # --- on the GPU: compiled Triton, and CUDA's .int() spelling --------------------------------------

@@ -204,6 +204,11 @@ def test_masked_fill_with_a_mask_input_then_softmax(dtype, width):
 
 
 # --- layout and constants -----------------------------------------------------------------------
+def interleaved(h):
+    """[..., 2 * width]: h and 3 * h - 1, column by column (an even width whatever h's is)."""
+    return torch.stack([h, h * 3 - 1], dim=-1).flatten(-2)
+
+
 LAYOUT = {
     # id: (fn, fx nodes, extra non-token dims of the input)
     "stack(-1)": (lambda h: torch.stack([h, h * 2, -h], dim=-1), ["stack"], ()),
@@ -211,6 +216,10 @@ LAYOUT = {
     "stack(heads)": (lambda h: torch.stack([h, h.exp()], dim=1), ["stack"], (2,)),
     "repeat_interleave(-1)": (lambda h: h.repeat_interleave(3, dim=-1) * 2, ["repeat_interleave"], ()),
     "repeat_interleave(heads)": (lambda h: torch.repeat_interleave(h, 2, dim=1) + 1, ["repeat_interleave"], (3,)),
+    # GPT-OSS's interleaved gate and up (gate_up[..., ::2], gate_up[..., 1::2]) of an even width
+    "every other column": (lambda h: (lambda g: g[..., ::2].clamp(max=1.0) * (g[..., 1::2] + 1))(interleaved(h)),
+                           ["getitem", "clamp"], ()),  # fmt: skip
+    "every other column (heads)": (lambda h: (lambda g: g[..., 1::2] - g[..., ::2])(interleaved(h)), ["getitem"], (3,)),
     "zeros_like read": (lambda h: torch.where(h > 0, h, torch.zeros_like(h)), ["zeros_like"], ()),
     "ones_like read": (lambda h: h * torch.ones_like(h) - 1, ["ones_like"], ()),
     "full_like read": (lambda h: torch.maximum(h, torch.full_like(h, -0.5)), ["full_like"], ()),

@@ -13,14 +13,13 @@ import torch
 import fuser
 from examples.zoo import layers as zoo
 
-# transformers' grouped_mm experts (integrations/moe.py): the sort by expert and the expert
-# offsets (histc of the sorted ids, cast first, + cumsum) are one kernel, the hidden rows of the
-# sorted pairs (hidden[perm // k]) another (EXPERT_SORT below); the routing weights, the gather
-# back by the inverse permutation and the sum over the k experts join the kernel after the down
-# GEMM. Left eager: the routing weights' gather by the permutation (one op alone: it is read,
-# at the gathered rows, by that last kernel), and the scatter that inverts the permutation
-# (arange + setitem: an in-place write into a fresh buffer, which no kernel writes): 3 launches.
-ROUTING = {"gather_rows": 1, "arange[int64]": 1, "setitem": 1}
+# transformers' grouped_mm experts (integrations/moe.py): the sort by expert, the expert
+# offsets (histc of the sorted ids, cast first, + cumsum) and the inverse permutation
+# (``inv[perm] = arange``) are one kernel, the hidden rows of the sorted pairs (hidden[perm // k])
+# another (EXPERT_SORT below); the routing weights' gather by the permutation, the weighting,
+# the gather back by the inverse permutation and the sum over the k experts join the kernel
+# after the down GEMM. Nothing of the routing is left eager.
+ROUTING: dict = {}
 
 # The layer's last residual add: one op alone between the last GEMM and the output, it runs
 # as itself (a kernel of its own would be one launch too).
@@ -35,9 +34,9 @@ DENSE_PROJ = [
 QK_NORM_ROPE = ["q_norm and k_norm with their RoPE (one kernel: both read the same cos/sin)"]
 ROPE = ["RoPE of q and k (one kernel)"]
 # The expert sort of every grouped_mm MoE layer (patterns/expert_sort.py): sort, the histc
-# input's cast, histc and cumsum in one launch.
+# input's cast, histc, cumsum and the inverse permutation in one launch.
 EXPERT_SORT = [
-    "experts: sorted ids, permutation and offsets (one kernel)",
+    "experts: sorted ids, permutation, offsets and inverse permutation (one kernel)",
     "experts: the hidden rows of the sorted pairs, hidden[perm // k] (one kernel)",
 ]
 MOE_PROJ = [
@@ -87,8 +86,10 @@ DEEPSEEK_V4_ATTENTION = [
     "inverse RoPE of the attention output",
 ]
 # transformers' GPT-OSS experts have biases: gathered per sorted slot and added in place
-# (`out.add_(bias)`) after each grouped GEMM.
-EXPERT_BIASES = {"gather_rows": 2, "add_": 2}
+# (`out.add_(bias)`) after each grouped GEMM. The GEMM's output is fresh, so the add is read as
+# `out.add(bias)` (fuser.idioms) and joins the kernel after each GEMM: the interleaved gate and
+# up (`gate_up[..., ::2]`, `[..., 1::2]`) are taken in registers. Nothing is left eager.
+EXPERT_BIASES: dict = {}
 # DeepSeek-V3's group-limited gate builds its group mask in place (zeros_like + scatter_); its
 # top-k indices are flattened by a reshape that must copy.
 GROUP_MASK = {"zeros_like written in place": 1, "scatter_": 1, "reshape_copy": 1}

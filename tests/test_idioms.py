@@ -1,0 +1,133 @@
+"""In-place spellings of a value rewritten as one functional op (fuser/idioms.py): the
+inverse permutation ``inv[perm] = arange(n)`` is rewritten only where the buffer is fresh,
+written once, by exactly that, and read only afterwards; everywhere else the graph keeps the
+write. The rewritten op computes what the idiom did, fused or eager."""
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+from fuser.api import _unstable_sort_ties
+from fuser.canon import canonicalize
+from fuser.idioms import inverse_permutation
+from fuser.trace import trace
+
+
+def _ops(module, *inputs) -> list[str]:
+    traced = trace(module, inputs)
+    return [n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) for n in traced.graph.nodes]
+
+
+class Inverse(nn.Module):
+    def forward(self, scores):
+        perm = torch.argsort(scores)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0), device=scores.device)
+        return scores[inv] * 2.0
+
+
+def test_the_idiom_becomes_one_op_with_the_same_values():
+    scores = torch.randn(9)
+    ops = _ops(Inverse(), scores)
+    assert "inverse_permutation" in ops and "setitem" not in ops and "arange" not in ops and "empty_like" not in ops
+    perm = torch.argsort(scores)
+    expected = torch.empty_like(perm)
+    expected[perm] = torch.arange(9)
+    assert torch.equal(inverse_permutation(perm), expected)
+
+
+class ReadBeforeWrite(nn.Module):
+    def forward(self, scores):
+        perm = torch.argsort(scores)
+        inv = torch.empty_like(perm)
+        first = inv.clamp(0, 0)  # reads the buffer before the write
+        inv[perm] = torch.arange(perm.size(0))
+        return scores[inv] + first
+
+
+class NotPositions(nn.Module):
+    def forward(self, scores):
+        perm = torch.argsort(scores)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0)).flip(0)
+        return scores[inv]
+
+
+class WrittenAgain(nn.Module):
+    def forward(self, scores):
+        perm = torch.argsort(scores)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        inv[0] = 0
+        return scores[inv]
+
+
+class WrittenThroughAView(nn.Module):
+    def forward(self, scores):
+        perm = torch.argsort(scores)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        inv.view(-1)[:1].zero_()
+        return scores[inv]
+
+
+class NotFresh(nn.Module):
+    def forward(self, scores):
+        perm = torch.argsort(scores)
+        inv = perm.clone()
+        inv[perm] = torch.arange(perm.size(0))
+        return scores[inv]
+
+
+@pytest.mark.parametrize("module", [ReadBeforeWrite(), NotPositions(), WrittenAgain(), WrittenThroughAView(), NotFresh()],
+                         ids=lambda m: type(m).__name__)  # fmt: skip
+def test_other_writes_keep_the_graph_as_it_is(module):
+    scores = torch.randn(9)
+    ops = _ops(module, scores)
+    assert "inverse_permutation" not in ops and "setitem" in ops
+    result = fuser.check(module, (scores,))
+    assert result.ok, result.problems
+
+
+def test_an_inverse_no_template_computes_stays_eager_and_costs_its_two_launches():
+    module = Inverse()
+    scores = torch.randn(9)
+    expected = module(scores)
+    report = fuser.explain(module, (scores,))
+    (left,) = [u for u in report.unfused if u.op == "inverse_permutation"]
+    assert left.launches == 2, report.text()
+    result = fuser.check(module, (scores,))
+    assert result.ok, result.problems
+    assert torch.equal(module(scores), expected)
+
+
+class SortedInverse(nn.Module):
+    def forward(self, ids):
+        _, perm = torch.sort(ids)
+        return inverse_permutation(perm)
+
+
+def test_validation_reads_the_inverse_of_an_unstable_sort_up_to_its_ties():
+    """Equal ids may go either way round in an unstable sort, and so may their places in its
+    inverse; any other difference in the inverse (or one that is no permutation) is caught."""
+    ids = torch.tensor([1, 4, 0, 1, 1, 0])
+    traced = trace(SortedInverse(), (ids,))
+    cops = canonicalize(traced)
+    (node,) = [n for n in traced.graph.nodes if n in cops and cops[n].op == "inverse_permutation"]
+    region = types.SimpleNamespace(outputs=[node])
+    values = {n: traced.value(n) for n in traced.graph.nodes if n.name in traced.shadows}
+    stable = torch.tensor([2, 5, 0, 3, 4, 1])  # positions of the ids sorted stably
+
+    def inverse(perm):
+        return torch.argsort(perm)
+
+    def same(got):
+        (a,), (b,) = _unstable_sort_ties(region, cops, values, [got], [inverse(stable)])
+        return torch.equal(a, b)
+
+    assert same(inverse(torch.tensor([5, 2, 4, 0, 3, 1])))  # ties swapped
+    assert not same(inverse(torch.tensor([2, 0, 5, 3, 4, 1])))  # 0 and 5 swapped across two runs
+    assert not same(torch.tensor([2, 2, 0, 3, 4, 1]))  # not a permutation
