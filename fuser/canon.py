@@ -252,6 +252,8 @@ class Canonicalizer:
             return self._cat(node)
         if name == "gather":
             return self._gather(node)
+        if name == "scatter":
+            return self._scatter(node)
         special = {
             "stack": self._stack, "repeat_interleave": self._repeat_interleave, "masked_fill": self._masked_fill,
             "layer_norm": self._layer_norm, "gelu": self._gelu,
@@ -332,7 +334,7 @@ class Canonicalizer:
         )
 
     def _view_of(self, node, src, covers=()):
-        if op_name(node) in _MAY_COPY and self._copies(node, src):
+        if op_name(node) in _MAY_COPY and self._copies(node, src) and not self._reshaped_in_registers(node, src):
             return self._make(node, "reshape_copy", UNSUPPORTED, (src,))
         out, inp = self.value(node), self.value(src)
         if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
@@ -359,6 +361,13 @@ class Canonicalizer:
             {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
             covers,
         )  # fmt: skip
+
+    def _reshaped_in_registers(self, node, src) -> bool:
+        """A reshape that copies in eager (of an expanded or permuted view) but that a kernel
+        computing its source does in registers (DeepSeek-V3's group mask spread over experts)."""
+        if not self._computed(src) or self.batch_dims(src) != (0,) or self.batch_dims(node) != (0,):
+            return False
+        return _register_reshape(self.static_shape(src)[1:], self.static_shape(node)[1:])
 
     def _row_group(self, src, node) -> int | None:
         """``k`` when ``node`` views the rows of a row gather ``src`` as [tokens, k, ...] (MoE's
@@ -441,6 +450,23 @@ class Canonicalizer:
             ):  # fmt: skip
                 return self._make(node, "gather_last", COMPUTE, (x, index))
         return self._make(node, "gather", UNSUPPORTED, _tensor_args(node))
+
+    def _scatter(self, node):
+        """``x.scatter(-1, index, value)`` with a scalar value and index shaped like x but for
+        the last axis: each listed column set to the value (a group or expert mask)."""
+        params = _bound(node, ("input", "dim", "index", "value"))
+        x, dim, index = params.get("input"), params.get("dim"), params.get("index")
+        value = params.get("value", params.get("src"))
+        if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and isinstance(value, (int, float)):
+            src, idx = self.value(x), self.value(index)
+            rank = src.dim()
+            if (
+                rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
+                and rank - 1 not in self.batch_dims(x) and src.is_floating_point() and idx.dtype == torch.int64
+                and not params.get("reduce")
+            ):  # fmt: skip
+                return self._make(node, "scatter_last", COMPUTE, (x, index, float(value)))
+        return self._make(node, "scatter", UNSUPPORTED, _tensor_args(node))
 
     def _cat(self, node):
         parts = node.args[0] if node.args else node.kwargs.get("tensors")

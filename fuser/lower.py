@@ -825,6 +825,22 @@ class _Lowerer:
         self.names[node] = name
         self.dtypes[node] = self.dtypes[src]
 
+    def lower_scatter_last(self, node: fx.Node, cop: COp):
+        """``x.scatter(-1, index, value)``: a column is set where any of its row's indices names
+        it (a one-hot test per index; padded indices name no column)."""
+        src, index, value = cop.args
+        shape, picks = self.padded(src), self.padded(index)
+        rank = len(shape)
+        if math.prod(picks) * shape[-1] > _ONE_HOT_LIMIT:
+            raise LoweringError(f"`{node.name}`: scattering into a {shape[-1]}-wide block is too large")
+        cols = _expand(f"tl.arange(0, {shape[-1]})", rank, rank + 1)
+        hits = f"({cols} == tl.expand_dims({self.names[index]}, {rank}))"
+        width = self.block_shape(index)[-1]
+        if picks[-1] != width:
+            hits += f" & {_expand(f'(tl.arange(0, {picks[-1]}) < {width})', rank - 1, rank + 1)}"
+        listed = f"tl.max(({hits}).to(tl.int32), axis={rank - 1}) > 0"
+        return self.emit(node, f"tl.where({listed}, {float(value)!r}, {self.f32(src)})")
+
     def _complex(self, arg) -> tuple[str, str | None]:
         """(re, im) of a complex operand; (value, None) for a real one."""
         if arg is None:

@@ -233,6 +233,7 @@ _ENTRIES = [
     # indexing
     Op("gather_rows", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
     Op("gather_last", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
+    Op("scatter_last", INDEX, 3, lowering="scatter_last", whole_block=True),  # x.scatter(-1, index, value)
     Op("group_rows", INDEX, 1, lowering="group_rows", whole_block=True),  # a row gather's rows, k per token
     Op("topk", INDEX, 1, lowering="topk", whole_block=True),
     Op("topk_values", INDEX, 1, lowering="pairs_and_parts", whole_block=True),

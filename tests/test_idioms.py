@@ -131,3 +131,105 @@ def test_validation_reads_the_inverse_of_an_unstable_sort_up_to_its_ties():
     assert same(inverse(torch.tensor([5, 2, 4, 0, 3, 1])))  # ties swapped
     assert not same(inverse(torch.tensor([2, 0, 5, 3, 4, 1])))  # 0 and 5 swapped across two runs
     assert not same(torch.tensor([2, 2, 0, 3, 4, 1]))  # not a permutation
+
+
+# --- in-place writes on fresh values ---------------------------------------------------------------
+class WithBias(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(8, dtype=dtype), requires_grad=False)
+
+
+class BiasAddedInPlace(WithBias):
+    """transformers' grouped GEMM + bias: ``out = gemm(x); out.add_(bias); return out``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        out = self.proj(x)
+        out.add_(self.bias)
+        return out * 2.0
+
+
+class InputWrittenInPlace(WithBias):
+    def forward(self, x):
+        x.add_(self.bias.to(x.dtype))  # the caller sees the write
+        return x * 2.0
+
+
+class ViewTakenBeforeTheWrite(WithBias):
+    def forward(self, x):
+        out = x * 3.0
+        flat = out.view(-1)
+        out.add_(self.bias.to(x.dtype))
+        return flat * 2.0  # reads the written values through the view
+
+
+class WriteThatPromotes(WithBias):
+    def forward(self, x):
+        out = x * 3.0
+        out.add_(self.bias)  # bf16 in place; out of place it would be fp32
+        return out * 2.0
+
+
+def test_an_in_place_write_on_a_fresh_value_reads_as_its_out_of_place_form():
+    x = torch.randn(5, 8)
+    module = BiasAddedInPlace()
+    ops = _ops(module, x)
+    assert "add" in ops and "add_" not in ops
+    expected = module(x)
+    result = fuser.check(module, (x,))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()  # the add and the scale, one kernel
+    torch.testing.assert_close(module(x), expected)
+
+
+@pytest.mark.parametrize("module", [InputWrittenInPlace(), ViewTakenBeforeTheWrite(), WriteThatPromotes()],
+                         ids=lambda m: type(m).__name__)  # fmt: skip
+def test_other_in_place_writes_stay_writes(module):
+    x = torch.randn(5, 8).bfloat16()
+    assert "add_" in _ops(module, x.clone())
+    result = fuser.check(module, (x.clone(),))
+    assert result.ok, result.problems
+
+
+# --- a buffer filled slice by slice ------------------------------------------------------------------
+class KeyFilledBySlices(nn.Module):
+    """DeepSeek-V3's MLA key: a new buffer, its last axis filled by two copy_ writes."""
+
+    def __init__(self, extra=0, part_dtype=None, read_before=False):
+        super().__init__()
+        self.extra, self.part_dtype, self.read_before = extra, part_dtype, read_before
+
+    def forward(self, x):
+        nope, rot = x[..., :16] * 2.0, (x[..., -8:] + 1.0).sin()
+        if self.part_dtype is not None:
+            rot = rot.to(self.part_dtype)
+        key = x.new_empty(*x.shape[:-1], 24 + self.extra)
+        early = key.sum() if self.read_before else None
+        key[..., :16].copy_(nope)
+        key[..., 16:24].copy_(rot)
+        return key * 3.0 if early is None else (key * 3.0, early)
+
+
+def test_a_buffer_filled_slice_by_slice_is_a_concatenation():
+    module = KeyFilledBySlices()
+    x = torch.randn(5, 24)
+    ops = _ops(module, x)
+    assert "cat" in ops and "copy_" not in ops and "new_empty" not in ops
+    result = fuser.check(module, (x,))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()
+
+
+@pytest.mark.parametrize(
+    "module",
+    [KeyFilledBySlices(part_dtype=torch.float64), KeyFilledBySlices(extra=4), KeyFilledBySlices(read_before=True)],
+    ids=["a copy that casts", "slices that leave a gap", "read before the writes"],
+)  # fmt: skip
+def test_other_slice_writes_stay_writes(module):
+    x = torch.randn(5, 24)
+    ops = _ops(module, x)
+    assert "copy_" in ops and "cat" not in ops

@@ -204,6 +204,11 @@ def test_masked_fill_with_a_mask_input_then_softmax(dtype, width):
 
 
 # --- layout and constants -----------------------------------------------------------------------
+def spread(mask):
+    """Each column of ``mask`` repeated 4 times: a reshape of an expanded view, which copies."""
+    return mask.unsqueeze(-1).expand(-1, mask.shape[-1], 4).reshape(mask.shape[0], -1) + 0.5
+
+
 def interleaved(h):
     """[..., 2 * width]: h and 3 * h - 1, column by column (an even width whatever h's is)."""
     return torch.stack([h, h * 3 - 1], dim=-1).flatten(-2)
@@ -220,6 +225,11 @@ LAYOUT = {
     "every other column": (lambda h: (lambda g: g[..., ::2].clamp(max=1.0) * (g[..., 1::2] + 1))(interleaved(h)),
                            ["getitem", "clamp"], ()),  # fmt: skip
     "every other column (heads)": (lambda h: (lambda g: g[..., 1::2] - g[..., ::2])(interleaved(h)), ["getitem"], (3,)),
+    # DeepSeek-V3's group mask: zeros_like(scores).scatter_(1, top-k, 1), spread over each group
+    "scatter_ of the top-k": (lambda h: torch.zeros_like(h).scatter_(1, torch.topk(h, 3, dim=-1, sorted=False)[1], 1) * h,
+                              ["scatter", "topk"], ()),  # fmt: skip
+    "scatter_ spread by a copying reshape": (lambda h: spread(torch.zeros_like(h).scatter_(-1, h.argmax(-1, keepdim=True), 1.0)),
+                                             ["scatter", "reshape"], ()),  # fmt: skip
     "zeros_like read": (lambda h: torch.where(h > 0, h, torch.zeros_like(h)), ["zeros_like"], ()),
     "ones_like read": (lambda h: h * torch.ones_like(h) - 1, ["ones_like"], ()),
     "full_like read": (lambda h: torch.maximum(h, torch.full_like(h, -0.5)), ["full_like"], ()),

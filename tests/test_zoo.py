@@ -56,8 +56,7 @@ GEMMA_PROJ = [
 DEEPSEEK_V3_PROJ = [
     "input_layernorm",
     "residual add + post_attention_layernorm (+ the gate's fp32 cast)",
-    "gate: sigmoid + correction bias, per-group top-2 sums (before the in-place group mask)",
-    "gate: masked scores, top-k, gather, renormalisation, scaling (after it)",
+    "gate: sigmoid + correction bias, per-group top-2 sums, group top-k, group mask, masked scores, top-k, gather, renormalisation, scaling",
     *EXPERT_SORT,
     "routed experts' act(gate) * up",
     "shared expert's act(gate) * up",
@@ -65,7 +64,8 @@ DEEPSEEK_V3_PROJ = [
 ]
 DEEPSEEK_V3_MLA = [
     "q_a_layernorm",
-    "kv_a_layernorm + RoPE of q_pe and k_pe + the key's concatenation",
+    "kv_a_layernorm (before kv_b_proj)",
+    "RoPE of q_pe and k_pe, the query's concatenation, the key's (k_nope comes from kv_b_proj)",
 ]
 DEEPSEEK_V4_PROJ = [
     "attention mHC pre: mix statistics (cast, sum of squares) before the mix GEMM",
@@ -90,11 +90,13 @@ DEEPSEEK_V4_ATTENTION = [
 # `out.add(bias)` (fuser.idioms) and joins the kernel after each GEMM: the interleaved gate and
 # up (`gate_up[..., ::2]`, `[..., 1::2]`) are taken in registers. Nothing is left eager.
 EXPERT_BIASES: dict = {}
-# DeepSeek-V3's group-limited gate builds its group mask in place (zeros_like + scatter_); its
-# top-k indices are flattened by a reshape that must copy.
-GROUP_MASK = {"zeros_like written in place": 1, "scatter_": 1, "reshape_copy": 1}
-# MLA writes q_pe and k_pe into the query and key through copy_ (in-place writes, kept in order).
-MLA_WRITES = {"copy_": 2}
+# DeepSeek-V3's group-limited gate builds its group mask in place (zeros_like + scatter_), read
+# as zeros_like(...).scatter(...) (fuser.idioms) and spread over the experts by a reshape of an
+# expanded view (a copy in eager, a register reshape in the gate's kernel): one kernel.
+GROUP_MASK: dict = {}
+# MLA builds its key in a new buffer filled by two copy_ writes (k_nope, then k_pe over the
+# heads), read as their concatenation (fuser.idioms): it joins the kernel that computes k_pe.
+MLA_WRITES: dict = {}
 # DeepSeek-V4's output projection reads a reshape of a permuted einsum result, which must copy;
 # in fp32, two of its interleaved rotary tables (`cos.repeat_interleave(2, -1)`) are read by the
 # merged RoPE kernel rather than recomputed in it (in bf16 every kernel recomputes them).
