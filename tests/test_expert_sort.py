@@ -39,7 +39,7 @@ def reference(expert_ids: torch.Tensor, num_experts: int, count_int32: bool = Fa
     else:
         counts = torch.histc(sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
     inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel())
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     return sorted_ids, perm, torch.cumsum(counts, dim=0, dtype=torch.int32), inverse
 
 

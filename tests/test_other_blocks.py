@@ -104,3 +104,23 @@ def test_deepseek_v3_group_limited_gate_fuses_and_matches_eager():
     fused_ops = {n for c in report.chains for n in c.nodes}
     assert {"topk_1", "gather", "truediv", "scatter"} <= fused_ops, report.text()  # the group mask too
     assert not report.unfused and report.launches_after == 1, report.text()  # the whole gate, one kernel
+
+
+class WideAndNarrowNorms(nn.Module):
+    """A q head norm over 64 heads x 512 and a one-head kv norm, both scaled by the same table
+    (DeepSeek-V4's attention): siblings, but one program per token over both would hold 32768
+    elements, where the q norm alone splits its heads across programs."""
+
+    def forward(self, q, kv, cos):
+        q2 = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * cos
+        kv2 = kv * torch.rsqrt(kv.pow(2).mean(-1, keepdim=True) + 1e-6) * cos
+        return q2, kv2
+
+
+def test_a_merge_never_puts_a_tiled_kernels_wide_block_in_one_program(monkeypatch):
+    args = (randn(gen(1), 2, 64, 512), randn(gen(2), 2, 1, 512), randn(gen(3), 2, 1, 512))
+    result = fuser.check(WideAndNarrowNorms(), args)
+    assert result.ok, result.text()
+    assert result.report.launches_after == 2, result.report.text()
+    monkeypatch.setattr(fuser.api, "UNTILED_BLOCK_LIMIT", 1 << 30)  # the limit is what keeps them apart
+    assert fuser.explain(WideAndNarrowNorms(), args).launches_after == 1
