@@ -290,7 +290,7 @@ class _Lowerer:
         self.tile_axis: dict[fx.Node, int | None] = {}
         self._leading = False
         outs = [self.block_shape(n) for n in self.outputs]
-        if not all(outs) or self.regathered:
+        if not all(outs):
             return False, 1
         for leading in (False, True):
             size = self._tile(outs, leading)
@@ -309,7 +309,8 @@ class _Lowerer:
         for node in self.nodes:
             cop = self.cops[node]
             regrouped = cop.op == "reshape" and _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node)) is None
-            last_axis_only = cop.op in ops.WHOLE_BLOCK or regrouped or _is_complex(self.traced.value(node))
+            whole = cop.op in ops.WHOLE_BLOCK and not self._gathered_per_column(node)
+            last_axis_only = whole or regrouped or _is_complex(self.traced.value(node))
             if last_axis_only and not leading:
                 return 0
         axis: dict[fx.Node, int | None] = {n: 0 if leading else len(shape) - 1 for n, shape in zip(self.outputs, outs)}
@@ -325,11 +326,22 @@ class _Lowerer:
         self.tile_axis = axis
         return size
 
+    def _gathered_per_column(self, node: fx.Node) -> bool:
+        """Rows gathered per token (``group_rows``) and the row gathers computed at them: a
+        column of the result reads the same column of each row, so the columns may be tiled."""
+        op = self.cops[node].op
+        return op == "group_rows" or (op == "gather_rows" and node in self.regathered)
+
     def _arg_axis(self, node, cop: COp, arg: fx.Node, mine, size):
         """Which axis of ``arg`` feeds the tiled axis ``mine`` of ``node`` (or "conflict")."""
         shape, src = self.block_shape(node), self.block_shape(arg)
         if mine is None:
             return None
+        if self._gathered_per_column(node):
+            if arg is not cop.args[0]:
+                return None  # the index: one position per row
+            k = mine - 1 if cop.op == "group_rows" else mine + len(src) - len(shape)  # past [k], or a table's rows
+            return k if 0 <= k < len(src) and src[k] == size else "conflict"
         kind = ops.kind(cop.op)
         if kind in (ops.REDUCTION, ops.NORMALIZATION) and arg is cop.args[0]:
             reduced = self._block_axes(cop)
@@ -1069,9 +1081,10 @@ class _AtRows:
         terms = [f"{operand.name}_ptr", f"{_expand(f'({at})', 0, rank)} * {stride_row}"]
         masks = [f"({picks} < {self.k})"]
         for axis, size in enumerate(shape):
-            index = _expand(f"tl.arange(0, {pow2(size)})", axis + 1, rank)
+            tiled = self.lowerer.is_tiled(node, axis)
+            index = _expand("tile" if tiled else f"tl.arange(0, {pow2(size)})", axis + 1, rank)
             terms.append(f"{index} * {operand.name}_stride_{axis + first}")
-            if pow2(size) != size:
+            if tiled or pow2(size) != size:
                 masks.append(f"({index} < {size})")
         expr = f"tl.load({' + '.join(terms)}, mask={' & '.join(masks)}, other=0.0)"
         return self._line(node, expr, operand.dtype)

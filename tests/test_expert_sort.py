@@ -172,9 +172,9 @@ class GroupedExperts(nn.Module):
         return out, offsets
 
 
-def _experts_inputs(T, k, E, seed, device="cpu"):
+def _experts_inputs(T, k, E, seed, device="cpu", width=16):
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, 16, generator=generator)
+    hidden = torch.randn(T, width, generator=generator)
     top_k_index = torch.randint(0, E, (T, k), generator=generator)  # repeats: ties across and within rows
     top_k_weights = torch.rand(T, k, generator=generator)
     return tuple(x.to(device) for x in (hidden, top_k_index, top_k_weights))

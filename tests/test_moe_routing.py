@@ -50,6 +50,22 @@ def test_moe_gathers_and_the_sum_over_experts_are_one_kernel(T, k, E):
     assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sum_over_experts_splits_its_columns_across_programs(dtype):
+    """At T=1 one program per token would run the whole sum over the k gathered rows alone: the
+    kernel tiles the hidden axis (1100 wide: two tiles, the last one masked)."""
+    module = GroupedExperts(8)
+    hidden, index, weights = _experts_inputs(3, 2, 8, seed=11, width=1100)
+    inputs = (hidden.to(dtype), index, weights.to(dtype))
+    expected = module(*inputs)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    (chain,) = [c for c in result.report.chains if c.template != "expert_sort"]
+    assert "tile = tl.program_id(1)" in open(chain.path).read(), chain.path
+    got = module(*inputs)
+    torch.testing.assert_close(got[0], expected[0], **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
+
+
 @pytest.mark.gpu
 def test_moe_routing_kernels_on_the_gpu():
     module = GroupedExperts(16)
