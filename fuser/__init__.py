@@ -9,7 +9,8 @@ from fuser.emit import CaptureCompileError
 from fuser.opaque import is_opaque, opaque
 from fuser.pattern import Param, PatternError, tensor
 from fuser.report import Report
-from fuser.splice import is_fused, restore
+from fuser.model import ModelReport, restore
+from fuser.splice import is_fused
 from fuser.trace import TraceRefused, trace
 
 
@@ -31,5 +32,5 @@ __version__ = _version()
 
 __all__ = [
     "__version__", "apply", "restore", "explain", "check", "plan", "trace", "opaque", "is_opaque", "is_fused",
-    "Param", "tensor", "Report", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
+    "Param", "tensor", "Report", "ModelReport", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
 ]  # fmt: skip

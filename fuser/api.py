@@ -642,11 +642,19 @@ def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
       (``report.literals``); a call after one of them changed runs the eager forward, with a
       warning.
 
+    A model with a stack of repeated layers (a transformers CausalLM) is fused layer by layer
+    (:mod:`fuser.model`): each distinct layer structure is traced once, with the inputs one real
+    forward of the model gives its first layer, and its kernels serve every layer of that
+    structure; the report is then a :class:`fuser.model.ModelReport`.
+
     A second apply on a fused module (also from another thread) raises :class:`FuserError`.
     ``copy.deepcopy`` gives a copy fused against its own parameters; pickling (``torch.save``)
     gives the eager module.
     """
-    return apply_plan(module, example_inputs, **options).report
+    from fuser.model import apply_model  # the model path builds on this module's plan
+
+    layered = apply_model(module, example_inputs, **options)
+    return layered if layered is not None else apply_plan(module, example_inputs, **options).report
 
 
 def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:

@@ -1,0 +1,317 @@
+"""model: :func:`fuser.apply` on a whole model — a stack of repeated decoder layers.
+
+One real forward of the model records what each layer is called with. Layers of one structure
+(same class, same parameter shapes and dtypes, same flag and name attributes) are traced, fused
+and validated once, on the first of them; every other layer of the structure gets the same
+kernels and fused forward, bound to its own weights (the fused forward reads its parameters from
+the module it runs on), with the values it computes from parameters alone recomputed from its
+own, and is checked against its eager forward on its own recorded inputs. The model's other
+submodules that the forward calls (the final norm, the rotary embedding) are fused each on its
+own where that saves launches.
+
+A structure that cannot be fused stays eager and is reported; the others are fused. A failure
+while installing restores every layer fused so far: the model is never left half-patched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fuser.api import FuserError, Plan, plan, tensors_of
+from fuser.report import Report
+from fuser.signature import CallSpec
+from fuser.splice import install, is_fused, read_attributes
+from fuser.splice import restore as restore_module
+from fuser.tolerance import LAYER, mismatch
+from fuser.trace import preserved_state, trace
+
+MODEL_ATTR = "_fuser_model"  # on a model fused layer by layer: its ModelReport
+#: Modules the model's other submodules are never fused as (one kernel each already).
+_HEAVY = (nn.Linear, nn.Embedding, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass
+class LayerGroup:
+    """Layers of one structure: fused with one plan, or left eager with the reason."""
+
+    layers: list[str]
+    report: Report | None = None
+    eager: str | None = None  # why the group runs eager, if it does
+
+
+@dataclass
+class ModelReport:
+    model: str
+    groups: list[LayerGroup] = field(default_factory=list)
+    others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report
+    skipped: dict[str, str] = field(default_factory=dict)  # other submodules not fused: name -> why
+
+    @property
+    def launches_before(self) -> int:
+        return self._total("launches_before")
+
+    @property
+    def launches_after(self) -> int:
+        return self._total("launches_after")
+
+    def _total(self, what: str) -> int:
+        layers = sum(getattr(g.report, what) * len(g.layers) for g in self.groups if g.report)
+        return layers + sum(getattr(r, what) for r in self.others.values())
+
+    @property
+    def kernels(self) -> int:
+        """Distinct fused kernels: one set per layer structure, shared by its layers."""
+        return sum(len(g.report.chains) for g in self.groups if g.report) + sum(len(r.chains) for r in self.others.values())
+
+    def text(self) -> str:
+        lines = [f"fuser report for {self.model} (layer by layer)", ""]
+        lines.append(f"glue kernel launches per forward: {self.launches_before} eager -> {self.launches_after} fused")
+        for i, g in enumerate(self.groups):
+            head = f"layer structure {i}: {len(g.layers)} layers ({g.layers[0]} ...)"
+            if g.report is None:
+                lines += ["", head, f"  left eager: {g.eager}"]
+            else:
+                r = g.report
+                lines += ["", f"{head}: {r.launches_before} -> {r.launches_after} launches each, {len(r.chains)} kernels shared"]
+                lines += ["  " + line for line in r.text().splitlines()]
+        for name, r in self.others.items():
+            lines += ["", f"{name}: {r.launches_before} -> {r.launches_after} launches"]
+        for name, why in self.skipped.items():
+            lines.append(f"{name}: not fused ({why})")
+        return "\n".join(lines)
+
+
+def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Module lists of two or more modules of one class (decoder layers, by their look)."""
+    return [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
+    ]  # fmt: skip
+
+
+def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options) -> ModelReport | None:
+    """Fuse ``model`` layer by layer (see the module's docstring); None when it has no stack
+    of repeated layers, each called once per forward with hidden states in and out."""
+    stacks = layer_stacks(model)
+    if not stacks:
+        return None
+    if MODEL_ATTR in model.__dict__ or any(is_fused(m) for m in model.modules()):
+        raise FuserError(f"{type(model).__name__} is already fused; call fuser.restore() first")
+    options.pop("batch_inputs", None)  # the model's; each layer's follow the batch of its hidden states
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    layers = [(f"{name}.{i}", layer) for name, stack in stacks for i, layer in enumerate(stack)]
+    others = _other_submodules(model, {n for n, _ in stacks})
+    calls = _record_calls(model, args, kwargs, [m for _, m in layers] + [m for _, m in others])
+    if not all(_is_layer_call(calls.get(id(layer))) for _, layer in layers):
+        return None  # a list of experts or the like, not a stack of layers: the module is fused whole
+    report = ModelReport(type(model).__name__)
+    fused: list[nn.Module] = []
+    try:
+        for group in _groups(layers):
+            report.groups += _fuse_group(group, calls, options, fused)
+        for name, module in others:
+            _fuse_other(name, module, calls.get(id(module)), options, report, fused)
+    except BaseException:
+        for module in fused:
+            restore_module(module)
+        raise
+    model.__dict__[MODEL_ATTR] = report
+    return report
+
+
+def restore(module: nn.Module) -> None:
+    """Undo :func:`fuser.apply`, on one module or on a model fused layer by layer."""
+    if module.__dict__.pop(MODEL_ATTR, None) is not None:
+        for sub in module.modules():
+            if is_fused(sub):
+                restore_module(sub)
+        return
+    restore_module(module)
+
+
+# --- recording ----------------------------------------------------------------------------------
+def _record_calls(model, args, kwargs, modules) -> dict[int, tuple[tuple, dict]]:
+    """The first call of each of ``modules`` in one forward of the model: (args, kwargs), its
+    tensors cloned, and the first tensor it returned (under key ``"out"``)."""
+    calls: dict[int, Any] = {}
+    handles = []
+
+    def before(module, a, k):
+        if id(module) not in calls:
+            calls[id(module)] = [_cloned(a), _cloned(k), None]
+
+    def after(module, a, k, out):
+        record = calls.get(id(module))
+        if record is not None and record[2] is None:
+            first = tensors_of((out,))
+            record[2] = first[0].detach().clone() if first else None
+
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(m.register_forward_hook(after, with_kwargs=True))
+    try:
+        with preserved_state(model, tensors_of(args, kwargs)), torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: tuple(value) for key, value in calls.items()}
+
+
+def _cloned(value):
+    return torch.utils._pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
+
+
+def _is_layer_call(call) -> bool:
+    """Called, with hidden states as its first argument, returning a tensor of their shape."""
+    if call is None or not call[0] or not isinstance(call[0][0], torch.Tensor) or call[2] is None:
+        return False
+    return call[2].shape == call[0][0].shape
+
+
+def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.Module]]:
+    """Submodules outside the layer stacks that may hold glue of their own (the final norm, the
+    rotary embedding): children of the model and of the stacks' parents, no GEMMs or lists."""
+    parents = {""} | {name.rpartition(".")[0] for name in stacks}
+    found = []
+    for parent in sorted(parents):
+        owner = model.get_submodule(parent) if parent else model
+        for name, child in owner.named_children():
+            qualified = f"{parent}.{name}" if parent else name
+            if qualified in stacks or isinstance(child, _HEAVY) or qualified in parents:
+                continue
+            found.append((qualified, child))
+    return found
+
+
+# --- grouping and fusing ------------------------------------------------------------------------
+def structure(layer: nn.Module) -> tuple:
+    """What two layers must share to run one fused forward: class, parameter and buffer names,
+    shapes and dtypes, and every flag, name or None attribute of the layer and its submodules
+    (``is_sliding``, ``layer_type``: the trace takes their branches). Integer and float
+    attributes are compared where the fused graph holds them (its literals)."""
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in (*layer.named_parameters(), *layer.named_buffers()))
+    flags = tuple(
+        (name, key, value)
+        for name, sub in layer.named_modules()
+        for key, value in sorted(vars(sub).items())
+        if not key.startswith("_") and (value is None or isinstance(value, (bool, str)))
+    )
+    return type(layer), tensors, flags
+
+
+def _groups(layers: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    groups: dict[tuple, list] = {}
+    for name, layer in layers:
+        groups.setdefault(structure(layer), []).append((name, layer))
+    return list(groups.values())
+
+
+def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
+    """Fuse one structure's layers with one plan; layers whose literals or outputs differ get
+    a plan of their own. Returns the groups as fused (or left eager)."""
+    (first_name, first), rest = group[0], group[1:]
+    args, kwargs, _ = calls[id(first)]
+    try:
+        p = plan(first, args, example_kwargs=kwargs, batch_inputs=_batch_inputs(first, args, kwargs), **options)
+    except Exception as e:  # noqa: BLE001 - a structure fuser cannot fuse stays eager, reported
+        return [LayerGroup([name for name, _ in group], eager=f"{type(e).__name__}: {e}")]
+    _install(first, p, p.constants, p.precomputed, fused)
+    problem = _disagrees(first, calls[id(first)])
+    if problem:
+        restore_module(first)
+        fused.remove(first)
+        return [LayerGroup([name for name, _ in group], eager=f"fused, it disagreed with eager on its inputs: {problem}")]
+    shared, apart = LayerGroup([first_name], report=p.report), []
+    for name, layer in rest:
+        literals = dict(zip(p.literals, read_attributes(layer, tuple(p.literals))))
+        if literals != p.literals and not _traces_alike(p, layer, calls[id(layer)], options):
+            apart.append((name, layer))  # a scalar the fused graph holds differs: its own plan
+            continue
+        precomputed = dataclasses.replace(p.precomputed, seen=(), warned=False) if p.precomputed else None
+        constants = dict(zip(p.precomputed.names, _computed(p.precomputed, layer))) if p.precomputed else {}
+        _install(layer, p, constants, precomputed, fused, literals)
+        problem = _disagrees(layer, calls[id(layer)])
+        if problem:
+            restore_module(layer)
+            fused.remove(layer)
+            apart.append((name, layer))
+            continue
+        shared.layers.append(name)
+    result = [shared]
+    for name, layer in apart:  # planned on their own: another structure in all but the look
+        result += _fuse_group([(name, layer)], calls, options, fused)
+    return result
+
+
+def _computed(precomputed, layer: nn.Module) -> tuple:
+    with torch.no_grad():
+        return tuple(v.detach().clone() for v in precomputed.compute(layer))
+
+
+def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, literals=None) -> None:
+    install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals)
+    fused.append(layer)
+
+
+def _traces_alike(p: Plan, layer: nn.Module, call, options) -> bool:
+    """Does ``layer`` trace to the graph ``p`` was planned on? A scalar attribute may look like
+    one the graph holds (``layer_idx = 1`` where the graph has a literal 1) without being read:
+    then its layers still share the plan."""
+    args, kwargs, _ = call
+    try:
+        traced = trace(layer, args, example_kwargs=kwargs, leaves=options.get("leaves", ()),
+                       batch_inputs=_batch_inputs(layer, args, kwargs))  # fmt: skip
+    except Exception:  # noqa: BLE001 - it does not trace alike
+        return False
+    return _graph_key(traced.graph) == _graph_key(p.traced.graph)
+
+
+def _graph_key(graph) -> list:
+    """The graph's ops in order, with their literal arguments and which nodes they read."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    pick = lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    return [(n.op, str(n.target), repr(torch.fx.node.map_aggregate(n.args, pick)), repr(torch.fx.node.map_aggregate(n.kwargs, pick)))
+            for n in graph.nodes]  # fmt: skip
+
+
+def _disagrees(layer: nn.Module, call) -> str | None:
+    """The fused layer against its own eager forward on the inputs it was called with."""
+    args, kwargs, expected = call
+    with preserved_state(layer, tensors_of(args, kwargs)), torch.no_grad():
+        out = layer(*args, **kwargs)
+    got = tensors_of((out,))
+    return mismatch(got[0], expected, "the layer's output", LAYER) if got else "the fused layer returned no tensor"
+
+
+def _batch_inputs(layer: nn.Module, args, kwargs) -> dict[str, int]:
+    """The layer's tensor inputs that follow the batch of its hidden states (dim 0 of the same
+    size); the rest (rotary tables of one position for all sequences) are the same for all."""
+    call = CallSpec.of(layer.forward, args, kwargs)
+    tensors, _ = call.flatten(args, kwargs)
+    batch = args[0].shape[0]
+    return {n: 0 for n, t in zip(call.names, tensors) if t.dim() and t.shape[0] == batch}
+
+
+def _fuse_other(name, module, call, options, report: ModelReport, fused: list) -> None:
+    if call is None:
+        return  # not called by the forward
+    args, kwargs, _ = call
+    if not any(isinstance(x, torch.Tensor) for x in tensors_of(args, kwargs)):
+        report.skipped[name] = "called with no tensor"
+        return
+    try:
+        p = plan(module, args, example_kwargs=kwargs, **options)
+    except Exception as e:  # noqa: BLE001 - reported; the rest of the model is fused
+        report.skipped[name] = f"{type(e).__name__}: {e}"
+        return
+    if p.report.launches_after >= p.report.launches_before:
+        report.skipped[name] = "no glue a kernel saves launches on"
+        return
+    _install(module, p, p.constants, p.precomputed, fused)
+    report.others[name] = p.report

@@ -1,0 +1,159 @@
+"""fuser.apply on whole transformers CausalLMs (tiny random configs, as transformers ships the
+models): the stack of decoder layers fused once per layer structure, every layer running the
+shared kernels on its own weights; logits against eager; restore gives the eager model back;
+a structure that cannot be fused stays eager while the rest is fused; a failure leaves the
+model as it was."""
+
+import pytest
+import torch
+
+import fuser
+import fuser.model
+from examples.zoo import layers as zoo
+from fuser.splice import STATE_ATTR
+from fuser.tolerance import LAYER, mismatch
+
+
+def causal_lm(model: str, layers: int = 3, **overrides):
+    """The model's CausalLM at the zoo's tiny dims with ``layers`` decoder layers."""
+    cfg = zoo.config(model, "cpu")
+    cfg.num_hidden_layers, cfg.vocab_size = layers, 128
+    for key in ("layer_types", "mlp_layer_types"):
+        if getattr(cfg, key, None):
+            setattr(cfg, key, getattr(cfg, key)[:1] * layers)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    if model == "deepseek_v4":
+        cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
+    if "moe" not in model and "deepseek" not in model:
+        cfg._experts_implementation = None  # a dense model takes no experts implementation
+    spec = zoo.MODELS[model]
+    module = __import__(f"transformers.models.{spec['module']}", fromlist=["_"])
+    torch.manual_seed(0)
+    return getattr(module, spec["prefix"] + "ForCausalLM")(cfg).eval()
+
+
+def decode_inputs(batch: int = 5):
+    """One new token per sequence (a decode step's shape), no cache."""
+    ids = torch.randint(0, 128, (batch, 1), generator=torch.Generator().manual_seed(1))
+    return dict(input_ids=ids, use_cache=False)
+
+
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def fused_layers(model):
+    return [m for m in model.modules() if fuser.is_fused(m)]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4"])
+def test_a_causal_lm_is_fused_layer_by_layer_with_shared_kernels(name):
+    """The layers have different random weights: had any run another's, the logits would differ."""
+    model = causal_lm(name)
+    inputs = decode_inputs()
+    expected = logits(model, inputs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = fuser.apply(model, (), example_kwargs=inputs)
+    assert isinstance(report, fuser.ModelReport)
+    (group,) = report.groups  # one structure, traced and fused once
+    assert len(group.layers) == 3 and group.report is not None, report.text()
+    stack = model.model.layers
+    forwards = {layer.__dict__[STATE_ATTR].fused for layer in stack}
+    assert len(forwards) == 1  # one fused forward (and one set of kernels) for every layer
+    assert report.kernels == len(group.report.chains) + sum(len(r.chains) for r in report.others.values())
+    assert report.launches_after < report.launches_before / 3, report.text()
+    problem = mismatch(logits(model, inputs), expected, "logits", LAYER)
+    assert problem is None, problem
+
+    fuser.restore(model)
+    assert not fused_layers(model)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(logits(model, inputs), expected)
+
+
+def test_layers_of_another_structure_get_their_own_plan():
+    model = causal_lm("qwen3", layer_types=["full_attention", "sliding_attention", "full_attention"],
+                      use_sliding_window=True, sliding_window=4)  # fmt: skip
+    inputs = decode_inputs()
+    expected = logits(model, inputs)
+    report = fuser.apply(model, (), example_kwargs=inputs)
+    try:
+        assert sorted(len(g.layers) for g in report.groups) == [1, 2], report.text()
+        assert all(g.report is not None for g in report.groups)
+        assert mismatch(logits(model, inputs), expected, "logits", LAYER) is None
+    finally:
+        fuser.restore(model)
+
+
+def test_a_structure_that_cannot_be_fused_stays_eager_and_the_rest_is_fused(monkeypatch):
+    model = causal_lm("qwen3", layer_types=["full_attention", "sliding_attention", "full_attention"],
+                      use_sliding_window=True, sliding_window=4)  # fmt: skip
+    inputs = decode_inputs()
+    expected = logits(model, inputs)
+    planned = fuser.model.plan
+
+    def refusing(module, *args, **kwargs):
+        if getattr(getattr(module, "self_attn", None), "sliding_window", None):
+            raise fuser.TraceRefused("this structure cannot be traced")
+        return planned(module, *args, **kwargs)
+
+    monkeypatch.setattr(fuser.model, "plan", refusing)
+    report = fuser.apply(model, (), example_kwargs=inputs)
+    try:
+        (eager,) = [g for g in report.groups if g.report is None]
+        assert eager.layers == ["model.layers.1"] and "cannot be traced" in eager.eager, report.text()
+        assert "left eager" in report.text()
+        assert not fuser.is_fused(model.model.layers[1]) and fuser.is_fused(model.model.layers[0])
+        assert mismatch(logits(model, inputs), expected, "logits", LAYER) is None
+    finally:
+        fuser.restore(model)
+
+
+def test_a_failure_while_installing_leaves_the_model_as_it_was(monkeypatch):
+    model = causal_lm("qwen3")
+    inputs = decode_inputs()
+    installed = fuser.model.install
+    calls = []
+
+    def failing(module, *args, **kwargs):
+        calls.append(module)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return installed(module, *args, **kwargs)
+
+    monkeypatch.setattr(fuser.model, "install", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fuser.apply(model, (), example_kwargs=inputs)
+    assert not fused_layers(model)
+
+
+def test_a_fused_model_is_not_fused_again():
+    model = causal_lm("qwen3", layers=2)
+    inputs = decode_inputs()
+    fuser.apply(model, (), example_kwargs=inputs)
+    try:
+        with pytest.raises(fuser.FuserError, match="already fused"):
+            fuser.apply(model, (), example_kwargs=inputs)
+    finally:
+        fuser.restore(model)
+    assert not fused_layers(model)
+
+
+def test_a_call_with_a_kv_cache_runs_the_eager_layers():
+    """The layers were traced without a cache: a call that passes one is not the traced call,
+    so the guard runs each layer's own forward (and the cache is filled as eager fills it)."""
+    model = causal_lm("qwen3", layers=2)
+    inputs = decode_inputs()
+    with torch.no_grad():
+        expected = model(input_ids=inputs["input_ids"], use_cache=True)
+    fuser.apply(model, (), example_kwargs=inputs)
+    try:
+        with torch.no_grad():
+            got = model(input_ids=inputs["input_ids"], use_cache=True)
+        assert mismatch(got.logits, expected.logits, "logits", LAYER) is None
+        for layer in (0, 1):  # written by the layers' own attention, as in eager
+            assert torch.equal(got.past_key_values.layers[layer].keys, expected.past_key_values.layers[layer].keys)
+    finally:
+        fuser.restore(model)
