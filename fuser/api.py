@@ -676,7 +676,15 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
 
 
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:
-    """What :func:`apply` would fuse, and why the rest is not; installs nothing."""
+    """What :func:`apply` would fuse, and why the rest is not; installs nothing (a model fused
+    layer by layer is fused, reported and restored)."""
+    from fuser.model import apply_model, restore as restore_model, layer_stacks
+
+    if layer_stacks(module):
+        layered = apply_model(module, example_inputs, **options)
+        if layered is not None:
+            restore_model(module)
+            return layered
     with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         return plan(module, example_inputs, **options).report
 
@@ -715,6 +723,9 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     tensors = tensors_of(args, kwargs)
     with preserved_state(module, tensors):
         eager_out, eager_state = _run(module, args, kwargs)
+    layered = _check_layered(module, args, kwargs, eager_out, options)
+    if layered is not None:
+        return layered
     fused = apply_plan(module, args, **options)
     report = fused.report
     try:
@@ -736,6 +747,26 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
         if problem:
             problems.append(problem)
     return CheckResult(not problems, problems, compared, report)
+
+
+def _check_layered(module, args, kwargs, eager_out, options) -> CheckResult | None:
+    """:func:`check` on a model fused layer by layer (each layer was checked against its own
+    eager forward while fusing): the model's outputs, fused against eager. None when the
+    module is no such model."""
+    from fuser.model import apply_model, restore as restore_model, layer_stacks
+
+    if not layer_stacks(module):
+        return None
+    report = apply_model(module, args, **options)
+    if report is None:
+        return None
+    try:
+        with preserved_state(module, tensors_of(args, kwargs)):
+            fused_out, _ = _run(module, args, kwargs)
+    finally:
+        restore_model(module)
+    problem = mismatch(tensors_of((fused_out,)), tensors_of((eager_out,)), "output", LAYER)
+    return CheckResult(problem is None, [problem] if problem else [], ["output"], report)
 
 
 def tensors_of(args, kwargs=None) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ while installing restores every layer fused so far: the model is never left half
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.nn as nn
 from fuser.api import FuserError, Plan, plan, tensors_of
 from fuser.report import Report
 from fuser.signature import CallSpec
-from fuser.splice import install, is_fused, read_attributes
+from fuser.splice import STATE_ATTR, install, is_fused, read_attributes
 from fuser.splice import restore as restore_module
 from fuser.tolerance import LAYER, mismatch
 from fuser.trace import preserved_state, trace
@@ -67,6 +68,13 @@ class ModelReport:
     def kernels(self) -> int:
         """Distinct fused kernels: one set per layer structure, shared by its layers."""
         return sum(len(g.report.chains) for g in self.groups if g.report) + sum(len(r.chains) for r in self.others.values())
+
+    def to_json(self) -> dict:
+        totals = {"launches_before": self.launches_before, "launches_after": self.launches_after, "kernels": self.kernels}
+        return {**dataclasses.asdict(self), **totals}
+
+    def json(self) -> str:
+        return json.dumps(self.to_json(), indent=2, default=str)
 
     def text(self) -> str:
         lines = [f"fuser report for {self.model} (layer by layer)", ""]
@@ -281,8 +289,12 @@ def _graph_key(graph) -> list:
 
 
 def _disagrees(layer: nn.Module, call) -> str | None:
-    """The fused layer against its own eager forward on the inputs it was called with."""
+    """The fused layer against its own eager forward on the inputs it was called with (which
+    its guard must take: else the fused forward would never run on them)."""
     args, kwargs, expected = call
+    refused = layer.__dict__[STATE_ATTR].guard.why_not(args, kwargs)
+    if refused:
+        return f"its guard refuses the call the model makes: {refused}"
     with preserved_state(layer, tensors_of(args, kwargs)), torch.no_grad():
         out = layer(*args, **kwargs)
     got = tensors_of((out,))

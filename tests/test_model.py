@@ -4,6 +4,8 @@ shared kernels on its own weights; logits against eager; restore gives the eager
 a structure that cannot be fused stays eager while the rest is fused; a failure leaves the
 model as it was."""
 
+import json
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import fuser.model
 from examples.zoo import layers as zoo
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import LAYER, mismatch
+from tests.test_cli import fuser_cli
 
 
 def causal_lm(model: str, layers: int = 3, **overrides):
@@ -157,3 +160,34 @@ def test_a_call_with_a_kv_cache_runs_the_eager_layers():
             assert torch.equal(got.past_key_values.layers[layer].keys, expected.past_key_values.layers[layer].keys)
     finally:
         fuser.restore(model)
+
+
+def test_check_and_explain_take_a_whole_model():
+    model = causal_lm("qwen3_moe", layers=2)
+    inputs = decode_inputs()
+    result = fuser.check(model, (), example_kwargs=inputs)
+    assert result.ok, result.text()
+    assert isinstance(result.report, fuser.ModelReport) and result.report.groups[0].report is not None
+    assert not fused_layers(model)  # check restores
+    report = fuser.explain(model, (), example_kwargs=inputs)
+    assert len(report.groups[0].layers) == 2 and not fused_layers(model)
+
+
+MODEL_FACTORY = """
+from tests.test_model import causal_lm, decode_inputs
+
+
+def tiny_qwen3(T: int = 3, device="cpu", dtype=None):
+    return causal_lm("qwen3", layers=2), (), decode_inputs(T)
+"""
+
+
+def test_the_cli_checks_and_explains_a_model_factory(tmp_path):
+    path = tmp_path / "tiny_model.py"
+    path.write_text(MODEL_FACTORY)
+    checked = fuser_cli("check", f"{path}:tiny_qwen3")
+    assert checked.returncode == 0 and "check passed" in checked.stdout, checked.stdout + checked.stderr
+    explained = fuser_cli("explain", "--json", f"{path}:tiny_qwen3")
+    assert explained.returncode == 0, explained.stderr
+    data = json.loads(explained.stdout)
+    assert data["model"] == "Qwen3ForCausalLM" and len(data["groups"][0]["layers"]) == 2
