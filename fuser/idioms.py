@@ -20,7 +20,7 @@ ops when it stays eager (the same launches, the same result) and which a pattern
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -38,15 +38,18 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def rewrite(graph: fx.Graph, shadows: dict[str, tuple[Any, Any]]) -> None:
+def rewrite(graph: fx.Graph, shadows: dict[str, tuple[Any, Any]], state: Iterable[torch.Tensor] = ()) -> None:
     """Replace every idiom of this module's list in ``graph``; ``shadows`` (node name -> its
-    values at the two traced sizes) gets the new nodes' values."""
+    values at the two traced sizes) gets the new nodes' values. ``state`` (the module's
+    parameters and buffers) is memory an in-place write must keep writing, even through a value
+    a leaf returned (a cache's tensors)."""
+    kept = {_storage(t) for t in state}
     superseded: set[fx.Node] = set()  # values an in-place write replaced by a new node
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is operator.setitem:
             _inverse_permutation(graph, node, shadows)
         elif node.op == "call_method" and _out_of_place_name(node.target):
-            _out_of_place(graph, node, shadows, superseded)
+            _out_of_place(graph, node, shadows, superseded, kept)
         elif _fresh(node):
             _concatenation(graph, node, shadows)
 
@@ -121,7 +124,7 @@ def _out_of_place_name(method: str) -> str | None:
     return name if ops.kind(ops.SPELLINGS.get(name, name)) == ops.POINTWISE or name in _SHAPE_AND_DTYPE_KEPT else None
 
 
-def _out_of_place(graph: fx.Graph, write: fx.Node, shadows, superseded: set) -> None:
+def _out_of_place(graph: fx.Graph, write: fx.Node, shadows, superseded: set, kept: set) -> None:
     target = write.args[0] if write.args else None
     if not isinstance(target, fx.Node) or target.op not in ("call_function", "call_method", "call_module"):
         return  # an input, a parameter or a buffer: the write is seen outside the step
@@ -138,6 +141,8 @@ def _out_of_place(graph: fx.Graph, write: fx.Node, shadows, superseded: set) -> 
             if torch.broadcast_shapes(*(o.shape for o in operands)) != value.shape:
                 return
         storage = _storage(value)
+        if storage in kept:
+            return  # the module's own state: the write must stay
         for node in graph.nodes:  # anything else holding this memory would see the write
             if node in (target, write) or node in superseded or order[node] > order[write]:
                 continue

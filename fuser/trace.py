@@ -628,7 +628,8 @@ def trace(
             if leaf is None:
                 raise
             automatic.append(leaf)
-    idioms.rewrite(graph, tracer.shadows)
+    state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+    idioms.rewrite(graph, tracer.shadows, state)
     _drop_unused_size_reads(graph)
     return Traced(
         root=module,

@@ -233,3 +233,32 @@ def test_other_slice_writes_stay_writes(module):
     x = torch.randn(5, 24)
     ops = _ops(module, x)
     assert "copy_" in ops and "cat" not in ops
+
+
+class Cache(nn.Module):
+    """Hands back rows of its own state, as a KV cache's update returns its tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rows", torch.zeros(16, 8))
+
+    def forward(self, x):
+        return self.rows[: x.shape[0]]
+
+
+class WritesWhatTheCacheReturned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = Cache()
+
+    def forward(self, x):
+        held = self.cache(x)
+        held.add_(x)  # writes the cache's buffer
+        return held * 2.0
+
+
+def test_an_in_place_write_into_a_leafs_state_stays_a_write():
+    module = WritesWhatTheCacheReturned()
+    traced = trace(module, (torch.randn(5, 8),), leaves=["cache"])
+    targets = [n.target for n in traced.graph.nodes]
+    assert "add_" in targets and "add" not in targets
