@@ -149,6 +149,21 @@ def test_zoo_layer_fuses_within_its_bound(name, dtype):
     assert report.launches_after < report.launches_before
 
 
+@pytest.mark.parametrize("projection", [False, True], ids=["whole", "proj"])
+@pytest.mark.parametrize("name", list(zoo.UNSEEN))
+def test_more_of_transformers_layers_fuse_with_only_the_last_residual_add_left(name, projection):
+    """Layers nobody here looked at to pick (examples/zoo's UNSEEN), in bf16: they match eager,
+    trace without leaves, and leave nothing eager but (in some) the last residual add, which
+    sits alone between the last GEMM and the output."""
+    layer, args, kwargs = zoo.build(name, T=3, projection=projection)
+    result = fuser.check(layer, args, example_kwargs=kwargs)
+    assert result.ok, result.problems
+    report = result.report
+    assert not report.automatic_leaves, report.automatic_leaves
+    assert {(u.op, u.launches) for u in report.unfused} <= {("add", 1)}, report.text()
+    assert report.launches_after * 4 <= report.launches_before, report.text()
+
+
 def test_the_residual_add_and_the_norm_after_it_are_one_kernel():
     """Llama-style: `h = residual + attn; norm(h)` and `h` read again by the next residual."""
     layer, args, kwargs = zoo.FACTORIES["qwen3_proj"](T=3)

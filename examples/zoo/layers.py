@@ -82,8 +82,30 @@ MODELS = {
 }  # fmt: skip
 
 
+#: More of transformers' layers, at tiny dims only: checked on the CPU in CI (tests/test_zoo.py),
+#: not benchmarked. Nothing was looked at to pick them but that transformers ships them.
+_DENSE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_MOE = dict(_DENSE, moe_intermediate_size=32, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
+UNSEEN = {
+    "llama": dict(module="llama", prefix="Llama", tiny=_DENSE),
+    "mistral": dict(module="mistral", prefix="Mistral", tiny=_DENSE),
+    "phi3": dict(module="phi3", prefix="Phi3", tiny=_DENSE),
+    "olmo2": dict(module="olmo2", prefix="Olmo2", tiny=_DENSE),
+    "granite": dict(module="granite", prefix="Granite", tiny=_DENSE),
+    "glm4": dict(module="glm4", prefix="Glm4", tiny=_DENSE),
+    "olmoe": dict(module="olmoe", prefix="Olmoe", tiny=_MOE),
+    "granitemoe": dict(module="granitemoe", prefix="GraniteMoe", tiny=_MOE),
+    "hunyuan_v1_moe": dict(module="hunyuan_v1_moe", prefix="HunYuanMoEV1", tiny=_MOE),
+    "qwen2_moe": dict(module="qwen2_moe", prefix="Qwen2Moe", tiny=dict(_MOE, shared_expert_intermediate_size=48)),
+}
+
+
+def _spec(model: str) -> dict:
+    return MODELS[model] if model in MODELS else UNSEEN[model]
+
+
 def _classes(model: str):
-    spec = MODELS[model]
+    spec = _spec(model)
     code = importlib.import_module(f"transformers.models.{spec['module']}.modeling_{spec['module']}")
     config_code = importlib.import_module(f"transformers.models.{spec['module']}.configuration_{spec['module']}")
     prefix = spec["prefix"]
@@ -96,7 +118,7 @@ def _classes(model: str):
 def config(model: str, device) -> object:
     """The model's config at real dims on a GPU, tiny dims elsewhere: one layer, eval mode."""
     config_class, _, _ = _classes(model)
-    dims = MODELS[model][REAL if torch.device(device).type == "cuda" else TINY]
+    dims = _spec(model)[REAL if torch.device(device).type == "cuda" else TINY]
     cfg = config_class(num_hidden_layers=1, **dims)
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = "grouped_mm"
