@@ -108,7 +108,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
     stacks = layer_stacks(model)
     if not stacks:
         return None
-    if MODEL_ATTR in model.__dict__ or any(is_fused(m) for m in model.modules()):
+    if MODEL_ATTR in model.__dict__:
         raise FuserError(f"{type(model).__name__} is already fused; call fuser.restore() first")
     options.pop("batch_inputs", None)  # the model's; each layer's follow the batch of its hidden states
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
@@ -117,6 +117,8 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
     calls = _record_calls(model, args, kwargs, [m for _, m in layers] + [m for _, m in others])
     if not all(_is_layer_call(calls.get(id(layer))) for _, layer in layers):
         return None  # a list of experts or the like, not a stack of layers: the module is fused whole
+    if any(is_fused(m) for m in model.modules()):
+        raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
     report = ModelReport(type(model).__name__)
     fused: list[nn.Module] = []
     try:
