@@ -351,43 +351,46 @@ def _reads(cop: COp, value: fx.Node) -> bool:
     return any(a is value for a in cop.args)
 
 
-def components(nodes, pool: set, depth: dict, args_of) -> list[list[fx.Node]]:
-    """Connected components of ``nodes`` over edges between pool members of equal depth."""
-    parent = {n: n for n in nodes}
+class _Classes:
+    """Union-find over graph nodes: which class of joined nodes each one is in."""
 
-    def find(n):
+    def __init__(self, nodes):
+        self.parent = {n: n for n in nodes}
+
+    def find(self, n):
+        parent = self.parent
         while parent[n] is not n:
             parent[n] = parent[parent[n]]
             n = parent[n]
         return n
 
+    def join(self, a, b) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def components(nodes, pool: set, depth: dict, args_of) -> list[list[fx.Node]]:
+    """Connected components of ``nodes`` over edges between pool members of equal depth."""
+    classes = _Classes(nodes)
     for node in nodes:
         for arg in args_of(node):
             if arg in pool and depth.get(arg) == depth.get(node):
-                parent[find(arg)] = find(node)
+                classes.join(arg, node)
     groups: dict[fx.Node, list] = {}
     for node in nodes:
-        groups.setdefault(find(node), []).append(node)
+        groups.setdefault(classes.find(node), []).append(node)
     return list(groups.values())
 
 
 def _alias_classes(graph: fx.Graph, cops: dict[fx.Node, COp]) -> dict[fx.Node, fx.Node]:
     """Union of values that may share storage: a view and its base, an identity and its source."""
-    parent = {n: n for n in graph.nodes}
-
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
+    classes = _Classes(graph.nodes)
     for node in graph.nodes:
         cop = cops.get(node)
         if cop and (cop.kind in (VIEW, UNIT_VIEW) or cop.op == "identity") and cop.args:
             base = cop.args[0]
             if isinstance(base, fx.Node):
-                parent[find(node)] = find(base)
-    return {n: find(n) for n in graph.nodes}
+                classes.join(node, base)
+    return {n: classes.find(n) for n in graph.nodes}
 
 
 def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) -> Region | None:
