@@ -678,13 +678,12 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:
     """What :func:`apply` would fuse, and why the rest is not; installs nothing (a model fused
     layer by layer is fused, reported and restored)."""
-    from fuser.model import apply_model, restore as restore_model, layer_stacks
+    from fuser.model import apply_model, restore as restore_model
 
-    if layer_stacks(module):
-        layered = apply_model(module, example_inputs, **options)
-        if layered is not None:
-            restore_model(module)
-            return layered
+    layered = apply_model(module, example_inputs, **options)
+    if layered is not None:
+        restore_model(module)
+        return layered
     with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         return plan(module, example_inputs, **options).report
 
@@ -753,10 +752,8 @@ def _check_layered(module, args, kwargs, eager_out, options) -> CheckResult | No
     """:func:`check` on a model fused layer by layer (each layer was checked against its own
     eager forward while fusing): the model's outputs, fused against eager. None when the
     module is no such model."""
-    from fuser.model import apply_model, restore as restore_model, layer_stacks
+    from fuser.model import apply_model, restore as restore_model
 
-    if not layer_stacks(module):
-        return None
     report = apply_model(module, args, **options)
     if report is None:
         return None

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fuser import ops
+from fuser.idioms import writes_into
 from fuser.opaque import is_opaque
 from fuser.trace import Traced
 
@@ -616,7 +617,7 @@ class Canonicalizer:
         return self._make(node, "repeat_interleave", COMPUTE, (x,), {"repeats": repeats, "dim": dim % rank})
 
     def _constant(self, node, name):
-        if any(_writes_into(u, node) for u in node.users):
+        if any(writes_into(u, node) for u in node.users):
             # A buffer written in place (``mask = zeros_like(s); mask.scatter_(...)``): its value
             # changes after it is made, so no kernel may compute it and read it later.
             return self._make(node, f"{name} written in place", UNSUPPORTED)
@@ -676,13 +677,6 @@ def _training(node: fx.Node) -> bool:
     if "train" in node.kwargs:  # torch.dropout(input, p, train)
         return bool(node.kwargs["train"])
     return bool(node.args[2]) if len(node.args) > 2 else node.op == "call_function" and node.target is not torch.dropout
-
-
-def _writes_into(user: fx.Node, node: fx.Node) -> bool:
-    """Does ``user`` write into ``node`` in place (``node[i] = v``, ``node.copy_(v)``)?"""
-    if user.target is operator.setitem or (user.op == "call_method" and str(user.target).endswith("_")):
-        return bool(user.args) and user.args[0] is node
-    return False
 
 
 _INTEGER_CASTS = {"int", "long", "short", "char", "byte", "to", "type"}

@@ -205,7 +205,7 @@ def _written_later(buffer: fx.Node, writes: set, shadows) -> bool:
             if user in writes or user in seen:
                 continue
             seen.add(user)
-            if _writes(user, node):
+            if writes_into(user, node):
                 return True
             value = shadows.get(user.name, (None,))[0]
             if isinstance(value, torch.Tensor) and _storage(value) == storage:
@@ -217,7 +217,7 @@ def _storage(value: torch.Tensor) -> int:
     return value.untyped_storage().data_ptr()
 
 
-def _writes(user: fx.Node, buffer: fx.Node) -> bool:
+def writes_into(user: fx.Node, buffer: fx.Node) -> bool:
     """Does ``user`` write into ``buffer`` (an index write, an in-place method, an ``out=``)?"""
     if user.target is operator.setitem:
         return user.args[0] is buffer

@@ -869,14 +869,11 @@ class _Lowerer:
         if table not in operands:
             raise LoweringError(f"`{node.name}`: a row gather must read its table directly")
         t = operands[table]
+        shape, first, count, stride_row = _table_rows(t)
         self.lines.append(f"{name}_idx = {self.names[index]}  # {index.name}")
-        if t.has_rows:  # a table of rows of another count (MoE's hidden states): its own row stride
-            self.lines.append(f"{name}_idx = {_wrapped(f'{name}_idx', f'{t.name}_rows')}")
-            gathered = Operand(t.name, table.name, t.shape, t.dtype, True)
-            return self._emit_load(node, name, gathered, f"{name}_idx * {t.name}_stride_row")
-        self.lines.append(f"{name}_idx = {_wrapped(f'{name}_idx', t.shape[0])}")
-        gathered = Operand(t.name, table.name, t.shape[1:], t.dtype, True)
-        self._emit_load(node, name, gathered, f"{name}_idx * {t.name}_stride_0", first_stride=1)
+        self.lines.append(f"{name}_idx = {_wrapped(f'{name}_idx', count)}")
+        gathered = Operand(t.name, table.name, shape, t.dtype, True)
+        self._emit_load(node, name, gathered, f"{name}_idx * {stride_row}", first_stride=first)
 
     def lower_group_rows(self, node: fx.Node, cop: COp):
         """``table[index].view(T, k, ...)``: this token's k rows of the gather, each computed
@@ -1031,6 +1028,16 @@ class _Lowerer:
         return op
 
 
+def _table_rows(table: Operand) -> tuple[tuple[int, ...], int, str, str]:
+    """How a row gather reads ``table``: (a row's block shape, the stride number of its first
+    axis, the row count, the row stride). A table with rows of another count (MoE's hidden
+    states) has its own row stride and count; a table of fixed rows (a parameter: a rotary
+    table, the experts' biases) is indexed along its first axis."""
+    if table.has_rows:
+        return table.shape, 0, f"{table.name}_rows", f"{table.name}_stride_row"
+    return table.shape[1:], 1, str(table.shape[0]), f"{table.name}_stride_0"
+
+
 def _wrapped(index: str, rows) -> str:
     """A position as PyTorch indexes: a negative one counts from the end. (Positions out of
     range raise in eager; here they are clamped into the table so no load leaves it.)"""
@@ -1071,10 +1078,7 @@ class _AtRows:
         operand = self.operands[source or node]
         if operand.broadcast_rows or not (operand.has_rows or (rows and operand.shape)):
             raise LoweringError(f"`{node.name}`: a gathered table's input must have its rows", node)
-        if operand.has_rows:
-            shape, first, count, stride_row = operand.shape, 0, f"{operand.name}_rows", f"{operand.name}_stride_row"
-        else:  # a table of fixed rows (a parameter: the experts' biases by sorted expert id)
-            shape, first, count, stride_row = operand.shape[1:], 1, str(operand.shape[0]), f"{operand.name}_stride_0"
+        shape, first, count, stride_row = _table_rows(operand)
         rank = len(shape) + 1
         picks = _expand(f"tl.arange(0, {pow2(self.k)})", 0, rank)
         at = _wrapped(rows or self.rows, count)

@@ -316,7 +316,7 @@ def _fuse_other(name, module, call, options, report: ModelReport, fused: list) -
     if call is None:
         return  # not called by the forward
     args, kwargs, _ = call
-    if not any(isinstance(x, torch.Tensor) for x in tensors_of(args, kwargs)):
+    if not tensors_of(args, kwargs):
         report.skipped[name] = "called with no tensor"
         return
     try:
