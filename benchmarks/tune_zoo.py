@@ -6,7 +6,9 @@ layer (transformers' decoder layers at real dims) timed at each warp count on th
 Each layer is fused and tuned in a process of its own (``fuser tune``'s code, with the table
 written to a scratch directory: fuser's shipped table is left as it is, so the zoo keeps running
 on the heuristic as a new user's model would). Writes benchmarks/results/launch_heuristic.{json,md}:
-per kernel and token count, the heuristic's warps and time against the best warp count's.
+per kernel and token count, its time at every warp count and its features; the md judges the
+heuristic's pick against the best (``--render`` judges it again, on the CPU, after the heuristic
+changed).
 """
 
 import argparse
@@ -22,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from examples.zoo import layers as zoo  # noqa: E402
 from fuser import bench  # noqa: E402
+from fuser.lower import heuristic_warps  # noqa: E402
 
 OUT = ROOT / "benchmarks/results"
 WITHIN = 1.10  # the target: the heuristic's time at most 10% over the best warps'
@@ -36,28 +39,37 @@ def tune_one(name: str, tokens: tuple[int, ...], out: Path) -> None:
 
 
 def rows_of(layer: str, entries: list[dict]) -> list[dict]:
-    """One row per kernel and token count: the heuristic against the best warps at that count."""
+    """One row per kernel and token count: its time at each warp count, and what it does."""
     rows = []
     for e in entries:
-        for T in e["us"][str(e["heuristic"])]:
-            times = {int(w): ts[T] for w, ts in e["us"].items()}
-            best = min(times, key=times.get)
+        features = {**e["features"], "reducing": e["template"] == "row_reduce"}
+        for T in e["us"][str(e["num_warps"])]:
             rows.append(dict(
                 layer=layer, kernel=e["kernel"], pattern=e["pattern"], template=e["template"], size=e["size"],
-                tokens=int(T), heuristic=e["heuristic"], heuristic_us=times[e["heuristic"]],
-                best=best, best_us=times[best], over_best=round(times[e["heuristic"]] / times[best], 3),
+                tokens=int(T), us={w: ts[T] for w, ts in e["us"].items()}, features=features,
             ))  # fmt: skip
     return rows
 
 
+def judged(row: dict) -> dict:
+    """The row with today's heuristic's pick (from the kernel's features) against the best."""
+    f = row["features"]
+    heuristic = str(heuristic_warps(f["numel"], f["reducing"], f["tiled"], f["leading"], set(f["ops"])))
+    best = min(row["us"], key=row["us"].get)
+    return {**row, "heuristic": heuristic, "best": best, "over_best": row["us"][heuristic] / row["us"][best]}
+
+
 def markdown(rows: list[dict], stamp: dict) -> str:
+    rows = [judged(r) for r in rows]
     misses = [r for r in rows if r["over_best"] > WITHIN]
     lines = [
         "# The warps heuristic on the zoo's kernels",
         "",
-        f"{stamp.get('gpu', '')}, commit {stamp.get('commit', '')}. Every fused kernel of every zoo layer at real",
-        "dims, timed at 1, 2, 4, 8 and 16 warps (10 launches back to back in a CUDA graph, replayed),",
-        "against the warps `fuser.lower`'s heuristic picks for it (a table entry aside).",
+        f"{stamp.get('gpu', '')}, times measured at commit {stamp.get('commit', '')}. Every fused kernel of every zoo",
+        "layer at real dims, timed at 1, 2, 4, 8 and 16 warps (10 launches back to back in a CUDA graph,",
+        "replayed), against the warps `fuser.lower.heuristic_warps` picks from the kernel's block size",
+        "and ops (today's heuristic: `python benchmarks/tune_zoo.py --render` judges it again on these",
+        "times, without a GPU).",
         "",
         f"Within {WITHIN:.2f}× of the best: {len(rows) - len(misses)} of {len(rows)} (kernel, T) pairs; "
         f"worst {max((r['over_best'] for r in rows), default=float('nan')):.2f}×.",
@@ -69,7 +81,7 @@ def markdown(rows: list[dict], stamp: dict) -> str:
         flag = " **miss**" if r["over_best"] > WITHIN else ""
         lines.append(
             f"| {r['layer']} | {r['kernel']} | {r['pattern']} | {r['size']} | {r['tokens']} | {r['heuristic']} | "
-            f"{r['heuristic_us']:.2f} | {r['best']} | {r['best_us']:.2f} | {r['over_best']:.2f}{flag} |"
+            f"{r['us'][r['heuristic']]:.2f} | {r['best']} | {r['us'][r['best']]:.2f} | {r['over_best']:.2f}{flag} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -81,13 +93,20 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", default="1,8,128,512")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--into", help=argparse.SUPPRESS)
+    parser.add_argument("--render", action="store_true", help="judge the heuristic again on the recorded times")
     args = parser.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
     if args.one:
         tune_one(args.one, tokens, Path(args.into))
         sys.exit(0)
     path = OUT / "launch_heuristic.json"
-    layers = json.loads(path.read_text())["layers"] if path.exists() else {}
+    recorded = json.loads(path.read_text()) if path.exists() else {"layers": {}}
+    layers = recorded["layers"]
+    if args.render:
+        rows = [r for layer in sorted(layers) for r in layers[layer]]
+        (OUT / "launch_heuristic.md").write_text(markdown(rows, recorded["stamp"]))
+        print((OUT / "launch_heuristic.md").read_text())
+        sys.exit(0)
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.layers.split(","):
             into = Path(scratch) / f"{name}.json"

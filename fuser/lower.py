@@ -131,6 +131,7 @@ class RowProgram:
     outputs: list[Operand]
     body: list[str] = field(default_factory=list)
     tiled: bool = False  # one axis (the last, else the first) is split across programs
+    leading: bool = False  # the tiled axis is the first (heads), not the last (columns)
     last: int = 1  # size of the tiled axis
     block_last: int = 1  # its elements per program
     num_warps: int = 4
@@ -275,9 +276,20 @@ class _Lowerer:
         value = self.traced.value(node)
         if self.traced.batch_dims(node):
             return tuple(value.shape[1:])
-        if value.dim() and value.dim() == self.row_rank and value.shape[0] == 1:
+        if self._over_rows(node, value):
             return tuple(value.shape[1:])  # [1, N] broadcast over the token rows
         return tuple(value.shape)
+
+    def _over_rows(self, node: fx.Node, value) -> bool:
+        """Is ``node``'s value (no token rows) broadcast over the rows: a leading 1 where the
+        row values it is combined with have their rows, at their rank (or the region's)?"""
+        if not value.dim() or value.shape[0] != 1:
+            return False
+        if value.dim() == self.row_rank:
+            return True
+        return any(
+            u in self.nodes and self.traced.batch_dims(u) and self.traced.value(u).dim() == value.dim() for u in node.users
+        )
 
     def _tiling(self) -> tuple[bool, int]:
         """Tile the outputs' last axis when no op mixes values along it, else their first axis
@@ -1012,10 +1024,13 @@ class _Lowerer:
                 raise
         for operand, node in zip(outs, self.outputs):
             self.store(operand, node)
-        reducing = any(self.cops[n].op in ops.REDUCING for n in self.nodes)
-        warps = heuristic_warps(numel, reducing, self.tiled)
+        names = {self.cops[n].op for n in self.nodes}
+        reducing = bool(names & ops.REDUCING)
+        warps = heuristic_warps(numel, reducing, self.tiled, self.tiled and self._leading, names)
         helpers = tuple(sorted(self.helpers))
-        return RowProgram(ins, outs, self.lines, self.tiled, self.last, self.block_last, warps, numel, helpers)
+        return RowProgram(
+            ins, outs, self.lines, self.tiled, self.tiled and self._leading, self.last, self.block_last, warps, numel, helpers
+        )
 
     def _operand(self, node: fx.Node, name: str) -> Operand:
         op = operand(self.traced, node, name)
@@ -1133,18 +1148,27 @@ class _AtRows:
         return self._line(node, expr if dtype in (torch.float32, torch.bool) else rounded(expr, dtype), dtype)
 
 
-def heuristic_warps(numel: int, reducing: bool, tiled: bool) -> int:
-    """Warps for a row program without a launch-table entry of its own, by its block's size.
+# Ops that move values between lanes: pairs interleaved along the last axis.
+_INTERLEAVING = {"stack", "repeat_interleave"}
+_PAIRED = {"view_as_complex", "view_as_real"}
+
+
+def heuristic_warps(numel: int, reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
+    """Warps for a row program without a launch-table entry of its own, by its block's size
+    and what it does.
 
     Fitted to every kernel of the zoo and the DSv4 example timed at 1-16 warps on an H200
-    (``fuser tune``; benchmarks/results/README.md reports the check): elementwise blocks want
-    about 8 elements a thread (2048 elements: 8 warps); a reduction along the row about 16
-    (4096-wide RMSNorm: 8); a reduction inside a tile across a short axis (the sum over the
-    top-k experts of ``[k, tile]``, the mHC streams) is fastest with one warp per 2048
-    elements, several times slower with more. Never more than 8: no kernel measured wanted 16
-    by more than a few percent, and some lost a quarter with it.
+    (``benchmarks/tune_zoo.py``, ``fuser tune``; benchmarks/results/launch_heuristic.md has the
+    check): a block wants about 8 elements a thread (2048 elements: 8 warps), reductions along
+    the row included. Three kinds want one warp per 2048 elements, and lose up to 5x with 8:
+    a reduction inside a column tile across a short axis (the sum over the top-k experts of
+    ``[k, tile]``, the mHC streams); values interleaved along the last axis (``stack`` then
+    flatten, ``repeat_interleave``: the DSv4 RoPE); a per-head reduction (a tile of heads)
+    that also splits complex pairs. Never more than 8: no kernel measured wanted 16 by more
+    than a few percent, and some lost a quarter with it.
     """
-    per_warp = 2048 if reducing and tiled else 512 if reducing else 256
+    slow = (reducing and tiled and not leading) or bool(op_names & _INTERLEAVING) or (reducing and leading and bool(op_names & _PAIRED))
+    per_warp = 2048 if slow else 256
     return min(8, max(1, pow2(numel // per_warp)))
 
 

@@ -74,7 +74,10 @@ def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log:
                 }  # fmt: skip
             best = min(WARPS, key=lambda w: sum(times[w].values()))
             heuristic = spec.program.num_warps
-            entry = {**key, "num_warps": best, "heuristic": heuristic,
+            program = spec.program
+            features = dict(numel=program.numel, tiled=program.tiled, leading=program.leading,
+                            ops=sorted({plan.cops[n].op for n in kernel.region.nodes}))  # fmt: skip
+            entry = {**key, "num_warps": best, "heuristic": heuristic, "features": features,
                      "heuristic_over_best": round(sum(times[heuristic].values()) / sum(times[best].values()), 3),
                      "us": {str(w): {str(T): t for T, t in ts.items()} for w, ts in times.items()}}  # fmt: skip
             entries.append(entry)

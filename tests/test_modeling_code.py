@@ -306,3 +306,16 @@ def test_a_wide_concatenation_moved_by_unit_axes_is_stored_part_by_part(dtype, h
     result = fuser.check(InterleavedRope(), (q, cos, sin))
     assert result.ok, result.problems
     assert result.report.launches_after == 1 and not result.report.unfused, result.report.text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, width", [(3, 40), (8, 72)])
+def test_a_rotary_table_shared_by_every_sequence_broadcasts_over_the_rows(dtype, heads, width):
+    """A decode step of a whole model: every sequence at one position, so the rotary tables
+    are ``[1, 1, d]`` (no token rows) and, unsqueezed, meet the ``[T, heads, 1, d]`` rows at
+    their rank: the leading 1 is the broadcast over the rows, in one kernel."""
+    q = torch.randn(5, heads, 1, width, dtype=dtype)
+    cos, sin = torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    result = fuser.check(InterleavedRope(), (q, cos, sin), batch_inputs={"q": 0})
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1 and not result.report.unfused, result.report.text()
