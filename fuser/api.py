@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fuser.canon import COMPUTE, INPUT, MUTATION, REDUCING, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
+from fuser.canon import COMPUTE, HEAVY, INPUT, MUTATION, REDUCING, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
 from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
@@ -28,7 +28,7 @@ from fuser.splice import (
     AlreadyFused, Guard, Precomputed, compile_forward, install, is_fused, module_lock, precomputation, restore, rewrite_graph,
 )
 from fuser.tolerance import LAYER, least_precise, mismatch
-from fuser.signature import CallSpec
+from fuser.signature import CallSpec, state_tensors, with_state_copied
 from fuser.trace import Traced, batch_dims_of, preserved_state, trace
 
 
@@ -55,6 +55,9 @@ class Plan:
     report: Report
     constants: dict = field(default_factory=dict)  # attribute name -> value computed from parameters
     cops: dict = field(default_factory=dict)  # node -> its canonical op
+    # (node, argument position, attribute) of leaf-call arguments the fused graph reads from the
+    # module at run time rather than as the literal traced (fuser.model: a layer's index)
+    read_at_run_time: list = field(default_factory=list)
     precomputed: Precomputed | None = None  # how to recompute ``constants`` when their parameters change
     literals: dict = field(default_factory=dict)  # module scalar attribute (dotted path) -> value fused in
 
@@ -98,19 +101,36 @@ def record_values(module: torch.nn.Module, traced: Traced, cops: dict) -> Record
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
+            cop = cops.get(n)
+            # A leaf may write what it is given (a custom op's out, a kernel launch's output):
+            # its tensor operands as they were, to tell what it wrote.
+            given = _leaf_operands(n, self.env) if cop is not None and cop.kind == HEAVY else {}
+            before = {a: t.clone() for a, t in given.items()}
             result = super().run_node(n)
             fresh = isinstance(result, torch.Tensor) and not isinstance(result, torch.nn.Parameter)
             values[n] = result.clone() if fresh else result
-            cop = cops.get(n)
             target = cop.args[0] if cop is not None and cop.kind == MUTATION and cop.args else None
             if isinstance(self.env.get(target), torch.Tensor):  # an in-place write to its first operand
                 values.written.setdefault(target, []).append((values.order[n], self.env[target].clone()))
+            for a, t in given.items():
+                if not torch.equal(t, before[a]):
+                    values.written.setdefault(a, []).append((values.order[n], t.clone()))
             return result
 
     gm = fx.GraphModule(module, traced.graph)
     with preserved_state(module, traced.example_inputs), torch.no_grad():
-        Recorder(gm).run(*traced.example_inputs)
+        Recorder(gm).run(*traced.fresh_inputs())
     return values
+
+
+def _leaf_operands(node: fx.Node, env: dict) -> dict[fx.Node, torch.Tensor]:
+    """A leaf's tensor operands that it could write: not parameters (a forward never writes
+    its weights)."""
+    return {
+        a: env[a]
+        for a in node.all_input_nodes
+        if isinstance(env.get(a), torch.Tensor) and not isinstance(env[a], torch.nn.Parameter)
+    }
 
 
 def store_targets(region: Region, values) -> list:
@@ -382,7 +402,7 @@ def _check_example_inputs(module: torch.nn.Module, example_inputs, example_kwarg
         dim = batch.get(name)
         if dim is not None and dim < value.dim() and value.shape[dim] == 0:
             raise FuserError(f"example inputs need at least one token: input `{name}` has size 0 at dim {dim}")
-    tensors = [(f"input `{n}`", v) for n, v in zip(names, values)]
+    tensors = [(f"input `{n}`", v) for n, v in zip(names, values) if isinstance(v, torch.Tensor)]
     tensors += [(f"parameter `{n}`", p) for n, p in module.named_parameters()]
     for what, tensor in tensors:
         if tensor.device.type == "meta":
@@ -709,10 +729,13 @@ def _state_tensors(module: torch.nn.Module, inputs: list) -> dict[str, torch.Ten
 
 
 def _run(module, args, kwargs):
+    """One call, on a copy of the call's state objects (a KV cache): its output, and every
+    buffer, input and state tensor after it."""
+    args, kwargs = with_state_copied(args, kwargs)
     with torch.no_grad():
         out = module(*args, **kwargs)
-    state = {k: v.detach().clone() for k, v in _state_tensors(module, tensors_of(args, kwargs)).items()}
-    return out, state
+    tensors = {**_state_tensors(module, tensors_of(args, kwargs)), **state_tensors(args, kwargs)}
+    return out, {k: v.detach().clone() for k, v in tensors.items()}
 
 
 def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from fuser import ops
 from fuser.idioms import writes_into
+from fuser.leaves import LEAF
 from fuser.opaque import is_opaque
 from fuser.trace import Traced
 
@@ -181,6 +182,13 @@ class Canonicalizer:
             return self._make(node, "input", INPUT)
         if node.op == "call_module":
             return self._make(node, node.target, HEAVY, node.args)
+        target = node.target
+        if node.meta.get(LEAF) or node.op == "call_function" and (
+            target in HEAVY_FUNCTIONS
+            or is_opaque(target)
+            or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        ):
+            return self._make(node, op_name(node), HEAVY, _tensor_args(node))  # whatever it returns
         if not isinstance(value, torch.Tensor):
             if node.target is operator.setitem:
                 return self._make(node, "setitem", MUTATION, node.args[:1])
@@ -194,11 +202,6 @@ class Canonicalizer:
                 # topk, sort, max(dim): one kernel returning several tensors; no template yet
                 return self._make(node, op_name(node), UNSUPPORTED, _tensor_args(node))
             return self._make(node, op_name(node), META)
-        target = node.target
-        if node.op == "call_function" and (target in HEAVY_FUNCTIONS or is_opaque(target)):
-            return self._make(node, op_name(node), HEAVY, _tensor_args(node))
-        if node.op == "call_function" and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            return self._make(node, op_name(node), HEAVY, _tensor_args(node))
         if node.op == "call_method" and target in HEAVY_METHODS:
             return self._make(node, target, HEAVY, _tensor_args(node))
         name = op_name(node)

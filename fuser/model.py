@@ -15,6 +15,7 @@ while installing restores every layer fused so far: the model is never left half
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ import torch.nn as nn
 
 from fuser.api import FuserError, Plan, plan, tensors_of
 from fuser.report import Report
-from fuser.signature import CallSpec
-from fuser.splice import STATE_ATTR, install, is_fused, read_attributes
+from fuser.signature import CallSpec, is_state, with_state_copied
+from fuser.leaves import LEAF
+from fuser.splice import STATE_ATTR, compile_forward, install, is_fused, read_attributes
 from fuser.splice import restore as restore_module
 from fuser.tolerance import LAYER, mismatch
 from fuser.trace import preserved_state, trace
@@ -150,10 +152,14 @@ def _record_calls(model, args, kwargs, modules) -> dict[int, tuple[tuple, dict]]
     tensors cloned, and the first tensor it returned (under key ``"out"``)."""
     calls: dict[int, Any] = {}
     handles = []
+    # The forward runs on a copy of the call's state (a KV cache); each recorded call holds the
+    # state as it was before the forward (a layer's slot of a cache is written by that layer only).
+    args, kwargs = with_state_copied(args, kwargs)
+    before_forward = {id(v): copy.deepcopy(v) for v in torch.utils._pytree.tree_leaves((args, kwargs)) if is_state(v)}
 
     def before(module, a, k):
         if id(module) not in calls:
-            calls[id(module)] = [_cloned(a), _cloned(k), None]
+            calls[id(module)] = [_cloned(a, before_forward), _cloned(k, before_forward), None]
 
     def after(module, a, k, out):
         record = calls.get(id(module))
@@ -173,8 +179,13 @@ def _record_calls(model, args, kwargs, modules) -> dict[int, tuple[tuple, dict]]
     return {key: tuple(value) for key, value in calls.items()}
 
 
-def _cloned(value):
-    return torch.utils._pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
+def _cloned(value, states: dict):
+    def clone(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        return states.get(id(x), x)
+
+    return torch.utils._pytree.tree_map(clone, value)
 
 
 def _is_layer_call(call) -> bool:
@@ -240,7 +251,7 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
     shared, apart = LayerGroup([first_name], report=p.report), []
     for name, layer in rest:
         literals = dict(zip(p.literals, read_attributes(layer, tuple(p.literals))))
-        if literals != p.literals and not _traces_alike(p, layer, calls[id(layer)], options):
+        if literals != p.literals and not _traces_alike(p, first, layer, calls[id(layer)], options, fused):
             apart.append((name, layer))  # a scalar the fused graph holds differs: its own plan
             continue
         precomputed = dataclasses.replace(p.precomputed, seen=(), warned=False) if p.precomputed else None
@@ -269,25 +280,88 @@ def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, lit
     fused.append(layer)
 
 
-def _traces_alike(p: Plan, layer: nn.Module, call, options) -> bool:
+def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fused: list) -> bool:
     """Does ``layer`` trace to the graph ``p`` was planned on? A scalar attribute may look like
     one the graph holds (``layer_idx = 1`` where the graph has a literal 1) without being read:
-    then its layers still share the plan."""
+    then its layers still share the plan. Where it is read only as an argument of a leaf call
+    (``past_key_values.update(k, v, self.layer_idx)``), the fused graph reads it from the layer
+    at run time instead (``p`` is changed so, and ``first`` installed again), and the layers
+    share the plan too."""
     args, kwargs, _ = call
     try:
         traced = trace(layer, args, example_kwargs=kwargs, leaves=options.get("leaves", ()),
                        batch_inputs=_batch_inputs(layer, args, kwargs))  # fmt: skip
     except Exception:  # noqa: BLE001 - it does not trace alike
         return False
-    return _graph_key(traced.graph) == _graph_key(p.traced.graph)
+    if _graph_key(traced.graph) == _graph_key(p.traced.graph):
+        return True
+    read = _attributes_read_by_leaves(p, first, layer, traced.graph)
+    if read is None:
+        return False
+    new = [r for r in read if r not in p.read_at_run_time]
+    if new:
+        for node_name, position, attribute in new:
+            _read_at_run_time(p.graph, node_name, position, attribute)
+        p.read_at_run_time += new
+        p.forward = compile_forward(p.graph, first)
+        restore_module(first)
+        fused.remove(first)
+        _install(first, p, p.constants, p.precomputed, fused)
+    return True
+
+
+def _attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, graph) -> list | None:
+    """Where ``graph`` (``layer``'s trace) differs from ``p``'s only in int arguments of leaf
+    calls, each the value of one attribute the plan holds as a literal in both layers: those
+    (node name, argument position, attribute path); None when they differ in anything else."""
+    mine, theirs = list(p.traced.graph.nodes), list(graph.nodes)
+    if len(mine) != len(theirs):
+        return None
+    paths = tuple(p.literals)
+    at_first, at_layer = dict(zip(paths, read_attributes(first, paths))), dict(zip(paths, read_attributes(layer, paths)))
+    index_a, index_b = {n: i for i, n in enumerate(mine)}, {n: i for i, n in enumerate(theirs)}
+    read = []
+    for a, b in zip(mine, theirs):
+        key_a, key_b = _node_key(a, index_a), _node_key(b, index_b)
+        if key_a == key_b:
+            continue
+        if not a.meta.get(LEAF) or (a.op, a.target, len(a.args), a.kwargs) != (b.op, b.target, len(b.args), b.kwargs):
+            return None
+        for position, (x, y) in enumerate(zip(a.args, b.args)):
+            if _node_key_arg(x, index_a) == _node_key_arg(y, index_b):
+                continue
+            if type(x) is not int or type(y) is not int:
+                return None
+            names = [n for n in paths if at_first[n] == x and at_layer[n] == y]
+            if len(names) != 1:
+                return None
+            read.append((a.name, position, names[0]))
+    return read
+
+
+def _node_key(node, index) -> tuple:
+    pick = lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    return (node.op, str(node.target), repr(torch.fx.node.map_aggregate(node.args, pick)),
+            repr(torch.fx.node.map_aggregate(node.kwargs, pick)))  # fmt: skip
+
+
+def _node_key_arg(arg, index) -> str:
+    return repr(torch.fx.node.map_aggregate(arg, lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a))
+
+
+def _read_at_run_time(graph, node_name: str, position: int, attribute: str) -> None:
+    """Make argument ``position`` of the node named ``node_name`` a read of ``self.<attribute>``."""
+    node = next(n for n in graph.nodes if n.name == node_name)
+    with graph.inserting_before(node):
+        read = graph.get_attr(attribute)
+    node.update_arg(position, read)
+
 
 
 def _graph_key(graph) -> list:
     """The graph's ops in order, with their literal arguments and which nodes they read."""
     index = {n: i for i, n in enumerate(graph.nodes)}
-    pick = lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a  # noqa: E731
-    return [(n.op, str(n.target), repr(torch.fx.node.map_aggregate(n.args, pick)), repr(torch.fx.node.map_aggregate(n.kwargs, pick)))
-            for n in graph.nodes]  # fmt: skip
+    return [_node_key(n, index) for n in graph.nodes]
 
 
 def _disagrees(layer: nn.Module, call) -> str | None:
@@ -297,6 +371,7 @@ def _disagrees(layer: nn.Module, call) -> str | None:
     refused = layer.__dict__[STATE_ATTR].guard.why_not(args, kwargs)
     if refused:
         return f"its guard refuses the call the model makes: {refused}"
+    args, kwargs = with_state_copied(args, kwargs)
     with preserved_state(layer, tensors_of(args, kwargs)), torch.no_grad():
         out = layer(*args, **kwargs)
     got = tensors_of((out,))
@@ -309,7 +384,7 @@ def _batch_inputs(layer: nn.Module, args, kwargs) -> dict[str, int]:
     call = CallSpec.of(layer.forward, args, kwargs)
     tensors, _ = call.flatten(args, kwargs)
     batch = args[0].shape[0]
-    return {n: 0 for n, t in zip(call.names, tensors) if t.dim() and t.shape[0] == batch}
+    return {n: 0 for n, t in zip(call.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
 
 
 def _fuse_other(name, module, call, options, report: ModelReport, fused: list) -> None:

@@ -67,10 +67,10 @@ def gpu_time_per_node(module: torch.nn.Module, traced: Traced) -> dict[str, floa
 
     gm = fx.GraphModule(module, traced.graph)
     with preserved_state(module, traced.example_inputs), torch.no_grad():
-        Timed(gm).run(*traced.example_inputs)  # warm
+        Timed(gm).run(*traced.fresh_inputs())  # warm
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-            Timed(gm).run(*traced.example_inputs)
+            Timed(gm).run(*traced.fresh_inputs())
             torch.cuda.synchronize()
     times = {}
     for event in prof.key_averages():
@@ -118,7 +118,7 @@ def profile(module: torch.nn.Module, example_inputs, **options) -> Profile:
     with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         p = plan(module, example_inputs, **options)
     traced, cops = p.traced, canonicalize(p.traced)
-    on_gpu = any(x.is_cuda for x in traced.example_inputs)
+    on_gpu = any(x.is_cuda for x in traced.example_inputs if isinstance(x, torch.Tensor))
     times = gpu_time_per_node(module, traced) if on_gpu else {}
     fused_by = {n.name: k.region.pattern for k in p.kernels for n in k.region.covered}
     by_pattern = patterns_by_node(p.kernels)

@@ -75,7 +75,7 @@ class Report:
         for r in self.rejected:
             lines.append(f"  {r.pattern:<22} at {r.anchor}: [{r.category}] {r.reason}")
         if self.automatic_leaves:
-            lines += ["", f"leaves (automatic: their forward could not be traced; they run as they are) ({len(self.automatic_leaves)}):"]
+            lines += ["", f"leaves (automatic: code the trace cannot go into, and calls into compiled code; they run as they are) ({len(self.automatic_leaves)}):"]
             for leaf in self.automatic_leaves:
                 lines.append(f"  leaf (automatic): {leaf['name']} — {leaf['where']}, {leaf['reason']}")
         if self.precomputed:

@@ -4,7 +4,9 @@ Modeling code takes more than positional tensors: ``forward(self, hidden_states,
 **kwargs)`` with ``position_embeddings=(cos, sin)``, ``attention_mask=None``, a dict of
 rotary tables. The traced graph takes one placeholder per tensor; everything else in the call
 (``None``, flags, ints, the structure of tuples and dicts) is baked into the trace and pinned
-by the guard. :class:`CallSpec` is that mapping, built from the example call:
+by the guard. An object that holds tensors, such as a KV cache, is *state*: it gets a
+placeholder too and is passed through to the leaves that take it (the guard asks only its
+type). :class:`CallSpec` is that mapping, built from the example call:
 
     spec = CallSpec.of(layer.forward, (hidden,), {"position_embeddings": (cos, sin)})
     spec.names                      # ['hidden_states', 'position_embeddings_0', 'position_embeddings_1']
@@ -34,16 +36,18 @@ class _Argument:
     kind: Any  # inspect.Parameter kind
     spec: Any  # the pytree structure of its value
     constants: tuple  # (leaf index, value, what the message calls it) for each non-tensor leaf
-    tensor_leaves: tuple  # leaf indices holding tensors
+    tensor_leaves: tuple  # leaf indices holding tensors or state, in placeholder order
+    states: tuple = ()  # (leaf index, type) of each state leaf
 
 
 class CallSpec:
     """How one example call of ``forward`` maps to the traced graph's tensor placeholders."""
 
-    def __init__(self, signature: inspect.Signature, arguments: list[_Argument], names: list[str]):
+    def __init__(self, signature: inspect.Signature, arguments: list[_Argument], names: list[str], states=()):
         self.signature = signature
         self.arguments = arguments
-        self.names = names  # one per tensor, in placeholder order
+        self.names = names  # one per tensor or state object, in placeholder order
+        self.states = frozenset(states)  # the names of the state objects
 
     def __deepcopy__(self, memo) -> "CallSpec":
         return self  # never changed after it is made; a copy of a fused module shares it
@@ -52,19 +56,22 @@ class CallSpec:
     def of(cls, forward: Callable, args: tuple = (), kwargs: dict | None = None) -> "CallSpec":
         signature = inspect.signature(forward)
         bound = _bind(signature, args, kwargs or {})
-        arguments, names, taken = [], [], set()
+        arguments, names, taken, state_names = [], [], set(), []
         for name, value in bound.arguments.items():
             kind = signature.parameters[name].kind
             leaves, spec = pytree.tree_flatten_with_path(value)
-            tensors, constants = [], []
+            tensors, constants, states = [], [], []
             for i, (path, leaf) in enumerate(leaves):
-                if isinstance(leaf, torch.Tensor):
+                if isinstance(leaf, torch.Tensor) or is_state(leaf):
                     tensors.append(i)
                     names.append(_unique(_placeholder_name(name, kind, path), taken))
+                    if not isinstance(leaf, torch.Tensor):
+                        states.append((i, type(leaf)))
+                        state_names.append(names[-1])
                 else:
                     constants.append((i, leaf, _label(name, kind, path)))
-            arguments.append(_Argument(name, kind, spec, tuple(constants), tuple(tensors)))
-        return cls(signature, arguments, names)
+            arguments.append(_Argument(name, kind, spec, tuple(constants), tuple(tensors), tuple(states)))
+        return cls(signature, arguments, names, state_names)
 
     def tensor_names_by_parameter(self) -> dict[str, list[str]]:
         """forward parameter name -> the names of the graph inputs its tensors became."""
@@ -91,8 +98,12 @@ class CallSpec:
             for i, constant, label in argument.constants:
                 if not _same(leaves[i], constant):
                     return None, f"{label} is {leaves[i]!r}, traced with {constant!r}"
+            states = dict(argument.states)
             for i in argument.tensor_leaves:
-                if not isinstance(leaves[i], torch.Tensor):
+                if i in states:
+                    if type(leaves[i]) is not states[i]:
+                        return None, f"{argument.name} is {_describe(leaves[i])} where the trace had a {states[i].__name__}"
+                elif not isinstance(leaves[i], torch.Tensor):
                     return None, f"{argument.name} is not a tensor where the trace had one"
                 tensors.append(leaves[i])
         return tensors, None
@@ -117,6 +128,57 @@ class CallSpec:
             else:
                 args.append(value)
         return tuple(args), kwargs
+
+
+def is_state(value: Any) -> bool:
+    """An object the call hands on that holds tensors (a KV cache: its layers' key and value
+    buffers), rather than a constant of the call."""
+    if isinstance(value, (torch.Tensor, torch.nn.Module, type) + _BY_VALUE) or callable(value):
+        return False
+    return _holds_tensors(value, depth=3)
+
+
+def with_state_copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with each state object deep-copied: a run of it leaves the caller's state alone."""
+    import copy
+
+    return pytree.tree_map(lambda v: copy.deepcopy(v) if is_state(v) else v, (tuple(args), dict(kwargs)))
+
+
+def state_tensors(args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """The tensors that the call's state objects hold, by path (``past_key_values.layers[0].keys``)."""
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(value, path: str, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif depth and isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", depth - 1)
+        elif depth and not isinstance(value, _BY_VALUE):
+            for k, v in list(getattr(value, "__dict__", {}).items()):
+                walk(v, f"{path}.{k}", depth - 1)
+
+    bound = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    for name, value in bound.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if is_state(leaf):
+                walk(leaf, name + "".join(str(k) for k in path), 3)
+    return found
+
+
+def _holds_tensors(value: Any, depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, _BY_VALUE):
+        return False
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        items = list(getattr(value, "__dict__", {}).values())
+    return any(_holds_tensors(v, depth - 1) for v in items[:64])
 
 
 def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:

@@ -234,6 +234,9 @@ class Guard:
     def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None) -> "Guard":
         specs = []
         for name, value in zip(traced.input_names, traced.example_inputs):
+            if not isinstance(value, torch.Tensor):
+                specs.append((name, None))  # state: the call spec checks its type
+                continue
             batch = traced.batch_inputs.get(name)
             sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
             specs.append((name, (value.dtype, value.device, sizes)))
@@ -255,7 +258,10 @@ class Guard:
         return tensors, None
 
     def _mismatch(self, tensors) -> str | None:
-        for (name, (dtype, device, sizes)), value in zip(self.traced, tensors):
+        for (name, spec), value in zip(self.traced, tensors):
+            if spec is None:
+                continue
+            dtype, device, sizes = spec
             if value.dtype != dtype or value.device != device or value.dim() != len(sizes):
                 return f"{name} is {value.dtype} {tuple(value.shape)} on {value.device}"
             for i, (have, want) in enumerate(zip(value.shape, sizes)):

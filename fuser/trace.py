@@ -15,25 +15,24 @@ value's type, dtype, device and which dimensions follow the batch:
   correctly and the splice's guard pins it;
 * a batch dimension reads as a proxy (``x.size(0)``), so one trace serves every batch size,
   and a Python branch on it is refused;
-* ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch,
-  direct Triton launches and CUDA stream switches are refused with the file and line that did it.
+* ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch
+  and CUDA stream switches are refused with the file and line that did it.
 
-Nothing is ever dropped silently. A submodule whose forward cannot be traced (a refusal above,
-or any error its code raises on proxies) becomes an opaque leaf and the trace starts again
-around it, listed in ``Traced.automatic_leaves`` with the file, line and reason; what the traced
-module's own forward cannot trace raises :class:`TraceRefused`.
+Nothing is ever dropped silently. A function or submodule whose code cannot be traced (a
+refusal above, or any error its code raises on proxies) becomes an opaque leaf and the trace
+starts again around it; custom ops, Triton launches and C extensions' functions are kept as one
+call where they are (:mod:`fuser.leaves`). Each is listed in ``Traced.automatic_leaves`` with
+the file, line and reason; what the traced module's own forward cannot trace raises
+:class:`TraceRefused`.
 """
 
 from __future__ import annotations
 
 import builtins
-import inspect
+import copy
 import operator
-import os
 import sys
 import threading
-import traceback
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -42,58 +41,24 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from fuser import idioms
+from fuser.leaves import (
+    LEAF,
+    AutomaticLeaf,
+    compiled_functions,
+    custom_op,
+    kernel_launches_as_leaves,
+    leaf_after,
+    opaque_functions,
+    patched_leaf_functions,
+)
 from fuser.opaque import is_opaque
 from fuser.signature import CallSpec
+from fuser.where import TraceRefused, calling_line, error_location, is_library_file, refuse
 
 # Module types kept opaque whatever the user says: the heavy ops of a decode layer.
 DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
 
-_FUSER_DIR = os.path.dirname(os.path.abspath(__file__))
-_FUSER_PATTERNS = os.path.join(_FUSER_DIR, "patterns")
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__))
-    for m in (torch, inspect, fx)
-    if getattr(m, "__file__", None)
-)
-
-
 _TRACE_LOCK = threading.RLock()
-
-
-UNKNOWN_LOCATION = "<unknown location>"
-
-
-class TraceRefused(Exception):
-    """The module does something the tracer will not guess about. Names the user's line."""
-
-    location = UNKNOWN_LOCATION  # file:line of that code, when known
-
-
-def _innermost_user_frame(frames) -> traceback.FrameSummary | None:
-    """The innermost of ``frames`` outside fuser, torch and the stdlib."""
-    return next((f for f in reversed(frames) if not _is_library_file(f.filename)), None)
-
-
-def _where(frame: traceback.FrameSummary | None, code: bool = False) -> str:
-    """``file:line`` of ``frame`` (and ``: `code``` with ``code``)."""
-    if frame is None:
-        return UNKNOWN_LOCATION
-    line = (frame.line or "").strip() if code else ""
-    return f"{frame.filename}:{frame.lineno}" + (f": `{line}`" if line else "")
-
-
-def _error_location(error: Exception) -> str:
-    """``file:line`` where ``error`` was raised, outside fuser, torch and the stdlib."""
-    if isinstance(error, TraceRefused):
-        return error.location
-    return _where(_innermost_user_frame(traceback.extract_tb(error.__traceback__)))
-
-
-def refuse(what: str, fix: str) -> TraceRefused:
-    frame = _innermost_user_frame(traceback.extract_stack())
-    error = TraceRefused(f"{_where(frame, code=True)}: {what}. {fix}")
-    error.location = _where(frame)
-    return error
 
 
 @dataclass
@@ -108,10 +73,18 @@ class Traced:
     # node name -> (value at T, value at T+1); tensors keep their real data.
     shadows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     call: CallSpec | None = None  # how a call of the forward maps to the graph's inputs
-    automatic_leaves: list["AutomaticLeaf"] = field(default_factory=list)
+    automatic_leaves: list[AutomaticLeaf] = field(default_factory=list)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
+
+    def fresh_inputs(self) -> tuple:
+        """The example inputs to run the graph on: state objects (a KV cache) copied anew, so
+        that a run never changes the example's."""
+        states = self.call.states if self.call is not None else ()
+        return tuple(
+            copy.deepcopy(v) if n in states else v for n, v in zip(self.input_names, self.example_inputs)
+        )
 
     def batch_dims(self, node: fx.Node) -> tuple[int, ...]:
         """Dimensions of ``node``'s tensor value that follow the batch size."""
@@ -266,27 +239,21 @@ class ShadowTracer(fx.Tracer):
         leaf_names: Iterable[str] = (),
         leaf_types: Sequence[type] = (),
         leaf_functions: Sequence[Callable] = (),
-        autowrap_modules: Sequence = (),
     ):
-        super().__init__(autowrap_functions=tuple(leaf_functions), param_shapes_constant=True)
-        # fx patches the leaf functions where these modules hold them by name (it would make
-        # every function of a module passed as `autowrap_modules` a leaf).
-        self._autowrap_search = list(self._autowrap_search) + list(autowrap_modules)
+        super().__init__(param_shapes_constant=True)
+        self.leaf_functions = list(leaf_functions)  # patched where they are held: fuser.leaves
+        self.noted: list[AutomaticLeaf] = []  # calls into compiled code, kept as one call each
         self.leaf_names = set(leaf_names)
         self.leaf_types = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_types)
         self.shadows: dict[str, tuple[Any, Any]] = {}
         self._placeholder_values: dict[str, tuple[Any, Any]] = {}
         self._eager_depth = 0
         self._attr_names: dict[int, str] = {}
+        self._states: frozenset = frozenset()  # placeholders that are state (fuser.signature)
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
-        return (
-            qualified_name in self.leaf_names
-            or isinstance(m, self.leaf_types)
-            or is_opaque(type(m))
-            or is_opaque(m)
-        )
+        return qualified_name in self.leaf_names or isinstance(m, self.leaf_types) or is_opaque(type(m)) or is_opaque(m)
 
     def call_module(self, m, forward, args, kwargs):
         if self._eager_depth:
@@ -298,7 +265,7 @@ class ShadowTracer(fx.Tracer):
             path = self.path_of_module(m)
             if not hasattr(e, "_fuser_submodule") and not self.is_leaf_module(m, path):
                 e._fuser_submodule = path
-                e._fuser_where = _error_location(e)
+                e._fuser_where = error_location(e)
             raise
 
     def create_arg(self, a):
@@ -320,6 +287,11 @@ class ShadowTracer(fx.Tracer):
             parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
         return parameter_proxy_cache[name]
 
+    def note(self, leaf: AutomaticLeaf) -> None:
+        """Record a call kept opaque by itself (once per callee and line)."""
+        if not any(a.name == leaf.name and a.where == leaf.where for a in self.noted):
+            self.noted.append(leaf)
+
     # --- proxies carry shadows ---------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShadowProxy(node, self)
@@ -328,15 +300,33 @@ class ShadowTracer(fx.Tracer):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr)
         if kind == "output":
             return proxy
+        if kind == "call_function" and (leaf := custom_op(target)) is not None:
+            self.note(leaf)
+        state = self._state_taken(args, kwargs)
         if kind == "placeholder":
             # A parameter the example does not pass is baked at its default (fx's concrete_args).
             default = args[0] if args else None
             shadow = self._placeholder_values.get(target, (default, default))
+        elif state is not None:
+            # A call given state (``past_key_values.update(k, v, i)``) is a leaf. The state is
+            # one object of the example's batch: the call runs once, and its result at T+1 is
+            # its result at T grown where its tensor arguments grow.
+            proxy.node.meta[LEAF] = True
+            what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
+            self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
+            at_t = self._eager(kind, target, args, kwargs, 0)
+            shadow = (at_t, _grown_like(at_t, args, kwargs))
         else:
             shadow = tuple(self._eager(kind, target, args, kwargs, i) for i in (0, 1))
         proxy.shadow = shadow
         self.shadows[proxy.node.name] = shadow
         return proxy
+
+    def _state_taken(self, args, kwargs) -> str | None:
+        """The name of the state placeholder among a call's arguments, if any."""
+        found = []
+        map_aggregate((args, kwargs), lambda a: found.append(a.node.target) if _is_state_proxy(a, self._states) else None)
+        return found[0] if found else None
 
     def _eager(self, kind, target, args, kwargs, which: int):
         def pick(a):
@@ -372,51 +362,16 @@ class ShadowTracer(fx.Tracer):
             ):
                 self._attr_names.setdefault(id(t), name)
         self._call = call
+        self._states = call.states
         self._placeholder_values = {n: (a, b) for n, a, b in zip(call.names, inputs_a, inputs_b)}
         with (
-            _refuse_direct_kernel_launches(),
+            patched_leaf_functions(self.leaf_functions, compiled_functions()),
+            kernel_launches_as_leaves(),
             _refuse_stream_switches(self),
             _refuse_module_rebinding(),
             _shadow_isinstance(),
         ):
             return self.trace(root)
-
-
-class _refuse_direct_kernel_launches:
-    """While tracing, a Triton launch with traced arguments raises instead of running."""
-
-    def __enter__(self):
-        self._patched = []
-        try:
-            from triton.runtime import jit as triton_jit
-        except ImportError:
-            return self
-        targets = [triton_jit.JITFunction]
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            targets.append(InterpretedFunction)
-        except ImportError:
-            pass
-        for cls in targets:
-            original = cls.run
-
-            def guarded(self_, *args, __original=original, **kwargs):
-                if any(isinstance(a, fx.Proxy) for a in list(args) + list(kwargs.values())):
-                    raise refuse(
-                        f"a direct Triton kernel launch ({getattr(self_, '__name__', self_)}) on traced values",
-                        "Wrap the function that launches it with @fuser.opaque.",
-                    )
-                return __original(self_, *args, **kwargs)
-
-            cls.run = guarded
-            self._patched.append((cls, original))
-        return self
-
-    def __exit__(self, *exc):
-        for cls, original in self._patched:
-            cls.run = original
-        return False
 
 
 class _refuse_stream_switches:
@@ -453,7 +408,7 @@ class _refuse_stream_switches:
 
             def guarded(*args, __original=original, __what=what, **kwargs):
                 caller = sys._getframe(1).f_code.co_filename
-                if threading.get_ident() == thread and not tracer._eager_depth and not _is_library_file(caller):
+                if threading.get_ident() == thread and not tracer._eager_depth and not is_library_file(caller):
                     raise refuse(
                         f"a CUDA stream switch ({__what}) in traced code; the fused graph runs on one stream",
                         "Put the side-stream region (the fork, the work on the other stream and the join) "
@@ -484,7 +439,7 @@ class _shadow_isinstance:
         def shadow_isinstance(obj, classes):
             if type(obj) is ShadowProxy and "shadow" in obj.__dict__:
                 caller = sys._getframe(1).f_code.co_filename
-                if not _is_library_file(caller):
+                if not is_library_file(caller):
                     return original(obj.shadow[0], classes)
             return original(obj, classes)
 
@@ -494,13 +449,6 @@ class _shadow_isinstance:
     def __exit__(self, *exc):
         builtins.isinstance = self.original
         return False
-
-
-def _is_library_file(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    if path.startswith(_FUSER_DIR) and not path.startswith(_FUSER_PATTERNS):
-        return True
-    return path.startswith(_LIBRARY_DIRS) or "/triton/" in path or filename.startswith("<frozen")
 
 
 class _refuse_module_rebinding:
@@ -529,6 +477,35 @@ def forward_of(root) -> Callable:
     return root.forward if isinstance(root, torch.nn.Module) else root
 
 
+def _is_state_proxy(a, states) -> bool:
+    return isinstance(a, fx.Proxy) and a.node.op == "placeholder" and a.node.target in states
+
+
+def _grown_like(value: Any, args, kwargs) -> Any:
+    """A leaf's result at T+1 from its result at T: each tensor grown (its first row repeated)
+    along the dims where a tensor argument grows, where it has that argument's size at T."""
+    growing: dict[int, int] = {}
+
+    def note(a):
+        if isinstance(a, ShadowProxy) and isinstance(a.shadow[0], torch.Tensor):
+            x, y = a.shadow
+            for d, (p, q) in enumerate(zip(x.shape, y.shape)):
+                if p != q:
+                    growing.setdefault(d, p)
+
+    map_aggregate((args, kwargs), note)
+
+    def grow(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        for d, size in growing.items():
+            if d < v.dim() and v.shape[d] == size:
+                v = _grow_batch(v, d)
+        return v
+
+    return map_aggregate(value, grow) if isinstance(value, (tuple, list, dict, torch.Tensor)) else value
+
+
 def _grow_batch(value: Any, dim: int) -> Any:
     """The example input at batch size T+1: its first row repeated once more."""
     index = torch.zeros(1, dtype=torch.long, device=value.device)
@@ -538,41 +515,6 @@ def _grow_batch(value: Any, dim: int) -> Any:
 def default_batch_inputs(names: Sequence[str], inputs: Sequence[Any]) -> dict[str, int]:
     """Every tensor input with at least one dim has the batch (tokens) as dim 0."""
     return {n: 0 for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.dim() >= 1}
-
-
-def opaque_functions() -> tuple[list[Callable], list]:
-    """Functions marked @fuser.opaque, and the loaded Python modules that hold them by name:
-    a function stays opaque wherever the traced code reaches it from (a helper in another
-    module included)."""
-    functions, holders = {}, []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or _is_library_module(namespace):
-            continue
-        found = [v for v in list(namespace.values()) if isinstance(v, types.FunctionType) and is_opaque(v)]
-        for fn in found:
-            functions[id(fn)] = fn
-        if found:
-            holders.append(module)
-    return list(functions.values()), holders
-
-
-def _is_library_module(namespace: dict) -> bool:
-    file = namespace.get("__file__")
-    return bool(file) and _is_library_file(file)
-
-
-@dataclass
-class AutomaticLeaf:
-    """A submodule the trace could not go into, kept as an opaque call instead."""
-
-    name: str  # qualified name in the traced module
-    where: str  # file:line of the code that could not be traced
-    reason: str
-
-
-#: How many submodules one trace may turn into leaves before it gives up.
-MAX_AUTOMATIC_LEAVES = 64
 
 
 def trace(
@@ -589,8 +531,8 @@ def trace(
     (nested in tuples, lists and dicts too) becomes a graph input, and every other value is
     baked in (:mod:`fuser.signature`). ``leaves`` adds opaque leaves: submodule qualified names,
     module classes or functions. A submodule whose forward cannot be traced becomes a leaf by
-    itself (listed in ``Traced.automatic_leaves``); only code of the traced forward itself is
-    refused. ``batch_inputs`` maps forward parameter names (or graph input names) to their
+    itself, and so is each call into compiled code (listed in ``Traced.automatic_leaves``;
+    :mod:`fuser.leaves`); only code of the traced forward itself is refused. ``batch_inputs`` maps forward parameter names (or graph input names) to their
     batch dim (default: dim 0 of every tensor input). Buffers the forward mutates are restored.
     """
     example_inputs = tuple(example_inputs)
@@ -606,16 +548,18 @@ def trace(
         raise ValueError(f"the example inputs do not fit {_qualname(module)}.forward: {e}") from None
     tensors, _ = call.flatten(example_inputs, example_kwargs)
     batch = batch_dims_of(call, tensors, batch_inputs)
+    # State (a KV cache) is never touched: the graph's example keeps a copy, the shadows another.
+    pristine = [copy.deepcopy(v) if n in call.states else v for n, v in zip(call.names, tensors)]
+    tensors = [copy.deepcopy(v) if n in call.states else v for n, v in zip(call.names, pristine)]
     grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
     leaves = list(leaves)
-    functions, holders = opaque_functions()
+    functions = [x for x in leaves if callable(x) and not isinstance(x, type)] + opaque_functions()
     automatic: list[AutomaticLeaf] = []
     while True:
         tracer = ShadowTracer(
-            leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic],
+            leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic if a.function is None],
             leaf_types=[x for x in leaves if isinstance(x, type)],
-            leaf_functions=[x for x in leaves if callable(x) and not isinstance(x, type)] + functions,
-            autowrap_modules=holders,
+            leaf_functions=functions + [a.function for a in automatic if a.function is not None],
         )
         # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
         # one trace at a time, so concurrent apply() calls never see each other's patches.
@@ -623,8 +567,8 @@ def trace(
             with _TRACE_LOCK, preserved_state(module, tensors), torch.no_grad():
                 graph = tracer.trace_with_shadows(module, call, tensors, grown)
             break
-        except Exception as e:  # noqa: BLE001 - an untraceable submodule becomes a leaf; see below
-            leaf = _automatic_leaf(e, automatic)
+        except Exception as e:  # noqa: BLE001 - untraceable code becomes a leaf: fuser.leaves
+            leaf = leaf_after(e, automatic)
             if leaf is None:
                 raise
             automatic.append(leaf)
@@ -636,26 +580,11 @@ def trace(
         graph=graph,
         input_names=list(call.names),
         batch_inputs=batch,
-        example_inputs=tuple(tensors),
+        example_inputs=tuple(pristine),
         shadows=tracer.shadows,
         call=call,
-        automatic_leaves=automatic,
+        automatic_leaves=automatic + tracer.noted,
     )
-
-
-def _automatic_leaf(error: Exception, taken: list[AutomaticLeaf]) -> AutomaticLeaf | None:
-    """The submodule to keep opaque after ``error`` stopped the trace inside it, or None when
-    the error came from the traced forward's own code (then it is the trace's answer)."""
-    name = getattr(error, "_fuser_submodule", None)
-    if name is None or any(a.name == name for a in taken) or len(taken) >= MAX_AUTOMATIC_LEAVES:
-        return None
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    where = getattr(error, "_fuser_where", UNKNOWN_LOCATION)
-    if isinstance(error, TraceRefused) and message.startswith(where):
-        message = message[len(where) :].lstrip(": ")
-    elif not isinstance(error, TraceRefused):
-        message = f"{type(error).__name__}: {message}"
-    return AutomaticLeaf(name, where, message)
 
 
 def batch_dims_of(call: CallSpec, tensors: list, batch_inputs: dict[str, int] | None) -> dict[str, int]:
@@ -675,7 +604,9 @@ def batch_dims_of(call: CallSpec, tensors: list, batch_inputs: dict[str, int] | 
 
 
 def _qualname(module) -> str:
-    return type(module).__name__ if isinstance(module, torch.nn.Module) else getattr(module, "__qualname__", str(module))
+    return (
+        type(module).__name__ if isinstance(module, torch.nn.Module) else getattr(module, "__qualname__", str(module))
+    )
 
 
 def _drop_unused_size_reads(graph: fx.Graph) -> None:

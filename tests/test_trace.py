@@ -255,7 +255,7 @@ def _add_one_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 def add_one(x):
     y = torch.empty_like(x)
     n = x.numel()
-    _add_one_kernel[(triton.cdiv(n, 64),)](x, y, n, BLOCK=64)  # REFUSE-LAUNCH
+    _add_one_kernel[(triton.cdiv(n, 64),)](x, y, n, BLOCK=64)  # LAUNCH
     return y
 
 
@@ -274,20 +274,25 @@ class OpaqueLaunch(nn.Module):
         return add_one_opaque(x * 2) * 3
 
 
-def test_direct_triton_launch_is_refused_suggesting_opaque():
-    with pytest.raises(fuser.TraceRefused) as excinfo:
-        trace(DirectLaunch(), (torch.randn(3, 8),))
-    message = assert_refused_at(excinfo, "REFUSE-LAUNCH")
-    assert "Triton" in message
-    assert "@fuser.opaque" in message
+def test_a_triton_launch_in_traced_code_is_one_reported_call():
+    m = DirectLaunch()
+    traced = trace(m, (torch.randn(3, 8),))
+    launches = [n for n in traced.graph.nodes if n.op == "call_function" and n.target.__name__ == "launch__add_one_kernel"]
+    assert len(launches) == 1
+    (leaf,) = traced.automatic_leaves
+    assert leaf.name == "Triton kernel _add_one_kernel"
+    assert leaf.where == f"{__file__}:{line_of('LAUNCH')}"
+    gm = graph_module(m, traced)
+    for T in (1, 5):  # the grid follows the token count
+        x = torch.randn(T, 8)
+        torch.testing.assert_close(gm(x), (x * 2 + 1) * 3)
 
 
-def test_direct_launch_refusal_does_not_leave_triton_patched():
+def test_tracing_a_launch_leaves_triton_as_it_was():
     from triton.runtime.jit import JITFunction
 
     run_before = JITFunction.run
-    with pytest.raises(fuser.TraceRefused):
-        trace(DirectLaunch(), (torch.randn(3, 8),))
+    trace(DirectLaunch(), (torch.randn(3, 8),))
     assert JITFunction.run is run_before
     x = torch.randn(4, 8)
     torch.testing.assert_close(add_one(x), x + 1)  # still launches outside tracing

@@ -1,0 +1,105 @@
+"""Decode steps with a KV cache on whole transformers CausalLMs (tiny random configs): the
+cache is state the fused layers pass through to its update, an automatic leaf; the q/k norms
+and RoPE around it stay fused. Greedy decode, fused against eager, from the same cache."""
+
+import copy
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import fuser
+from fuser.splice import STATE_ATTR
+from fuser.tolerance import LAYER, mismatch
+from tests.test_model import causal_lm
+
+BATCH, PROMPT, STEPS = 3, 6, 3
+
+
+def prefilled(model):
+    """A static cache holding a prompt of PROMPT tokens per sequence, and the next tokens."""
+    ids = torch.randint(0, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 2)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def step(tokens, position: int, cache) -> dict:
+    return dict(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
+
+
+def greedy(model, cache, tokens) -> list[torch.Tensor]:
+    logits = []
+    for i in range(STEPS):
+        with torch.no_grad():
+            out = model(**step(tokens, PROMPT + i, cache)).logits
+        logits.append(out)
+        tokens = out[:, -1:].argmax(-1)
+    return logits
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_greedy_decode_with_a_static_cache_matches_eager(name):
+    model = causal_lm(name, layers=2)
+    cache, tokens = prefilled(model)
+    eager_cache, fused_cache, example = (copy.deepcopy(cache) for _ in range(3))
+    eager = greedy(copy.deepcopy(model), eager_cache, tokens)
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, example))
+    (group,) = report.groups  # one structure: the layer index the cache update takes is read at run time
+    assert len(group.layers) == 2 and group.report is not None, report.text()
+    assert len({layer.__dict__[STATE_ATTR].fused for layer in model.model.layers}) == 1
+    leaves = group.report.automatic_leaves
+    assert [leaf["name"] for leaf in leaves] == ["past_key_values.update"], leaves
+    assert "modeling_" in leaves[0]["where"]
+    assert report.launches_after < report.launches_before / 3, report.text()
+    assert torch.equal(example.layers[0].cumulative_length, cache.layers[0].cumulative_length), "apply wrote the example's cache"
+    assert torch.equal(example.layers[0].keys, cache.layers[0].keys)
+
+    fused = greedy(model, fused_cache, tokens)
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+    for layer in range(2):  # each layer wrote its own slot of the cache, at the same positions
+        got, expected = fused_cache.layers[layer], eager_cache.layers[layer]
+        assert torch.equal(got.cumulative_length, expected.cumulative_length)
+        problem = mismatch(got.keys, expected.keys, f"layer {layer} keys", LAYER)
+        assert problem is None, problem
+
+    fuser.restore(model)
+    restored_cache = copy.deepcopy(cache)
+    for got, expected in zip(greedy(model, restored_cache, tokens), eager):
+        assert torch.equal(got, expected)
+
+
+def test_check_takes_a_decode_step_and_leaves_the_cache_alone():
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    before = copy.deepcopy(cache)
+    result = fuser.check(model, (), example_kwargs=step(tokens, PROMPT, cache))
+    assert result.ok, result.text()
+    for layer in range(2):
+        assert torch.equal(cache.layers[layer].keys, before.layers[layer].keys)
+        assert torch.equal(cache.layers[layer].cumulative_length, before.layers[layer].cumulative_length)
+
+
+def test_a_step_without_the_cache_runs_the_eager_layers():
+    """The layers were fused for calls with a static cache: a call without one is not it, so
+    each layer's guard sends it to the layer's own forward."""
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    with torch.no_grad():
+        expected = model(input_ids=tokens, use_cache=False).logits
+    fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    refused = []
+    guard = model.model.layers[0].__dict__[STATE_ATTR].guard
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, k: refused.append(guard.why_not(a, k)), with_kwargs=True
+    )
+    with torch.no_grad():
+        got = model(input_ids=tokens, use_cache=False).logits
+    hook.remove()
+    assert refused and refused[0], refused  # (a call without a cache has no mask either)
+    problem = mismatch(got, expected, "logits", LAYER)  # the final norm and rotary tables are fused
+    assert problem is None, problem
