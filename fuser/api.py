@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon import COMPUTE, HEAVY, INPUT, MUTATION, REDUCING, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
+from fuser.copies import copy_kernels, install_copies, report_copies
 from fuser.emit import KernelSpec, emit, template_names
 from fuser.lower import LoweringError, lower_region, operand
 from fuser.match import Rejection, match_all
@@ -371,11 +372,15 @@ def plan(
     # are loaded or updated after fusing are seen); parameter-only glue then runs every step.
     covered = set().union(*(r.covered for r in regions)) if regions else set()
     constants = _parameter_only(traced, cops, covered) if precompute else {}
+    copies, kept = copy_kernels(traced, cops, {n for n in cops if n not in covered and n not in constants})
+    failed.update(kept)
     graph, survivors = rewrite_graph(
         traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)}, {n: a for n, (a, _) in constants.items()}
     )
+    install_copies(graph, copies)
     forward = compile_forward(graph, module)
     report = _report(module, traced, cops, kernels, rejected, failed, survivors)
+    report_copies(report, copies)
     report.precomputed = [n.name for n in constants]
     report.literals = captured_literals(module, traced)
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]

@@ -35,7 +35,8 @@ from fuser.capture import capture_decode, replay_time_us
 from fuser.opaque import is_opaque
 from fuser.signature import example_call
 
-HEAVY_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "sm90_", "matmul", "cijk")
+HEAVY_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitk", "sm90_", "matmul", "cijk",
+               "cudnn_generated", "flash_fwd", "fmha", "sdpa_")  # fmt: skip: GEMMs, then attention
 MARKER = "spin"
 
 

@@ -251,7 +251,11 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
     shared, apart = LayerGroup([first_name], report=p.report), []
     for name, layer in rest:
         literals = dict(zip(p.literals, read_attributes(layer, tuple(p.literals))))
-        if literals != p.literals and not _traces_alike(p, first, layer, calls[id(layer)], options, fused):
+        differing = {k for k, v in literals.items() if v != p.literals[k]}
+        read = {attribute for _, _, attribute in p.read_at_run_time}
+        # An attribute the fused graph already reads at run time needs no trace to tell (the
+        # check against the layer's own eager forward below still runs).
+        if differing - read and not _traces_alike(p, first, layer, calls[id(layer)], options, fused):
             apart.append((name, layer))  # a scalar the fused graph holds differs: its own plan
             continue
         precomputed = dataclasses.replace(p.precomputed, seen=(), warned=False) if p.precomputed else None

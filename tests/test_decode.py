@@ -39,7 +39,7 @@ def greedy(model, cache, tokens) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4"])
 def test_greedy_decode_with_a_static_cache_matches_eager(name):
     model = causal_lm(name, layers=2)
     cache, tokens = prefilled(model)

@@ -531,13 +531,14 @@ class GroupedProjection(nn.Module):
         return self.out(z.reshape(x.shape[0], -1))
 
 
-def test_a_reshape_that_copies_is_counted_and_reported():
+def test_a_reshape_that_copies_is_counted_and_made_by_the_copy_kernel():
     module = GroupedProjection()
     x = randn(gen(1), TRACE_T, 64)
     report = fuser.explain(module, (x,))
-    (copy,) = [u for u in report.unfused if u.op == "reshape_copy"]
-    assert copy.launches == 1 and "copy" in copy.reason, report.text()
-    assert report.launches_before == 1
+    assert report.launches_before == 1 and report.launches_after == 1, report.text()
+    (copy,) = report.chains
+    assert copy.template == "strided_copy" and copy.nodes == ["reshape"], report.text()
+    assert not report.unfused
 
 
 def test_a_reshape_that_views_stays_free():

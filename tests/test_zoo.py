@@ -84,6 +84,7 @@ DEEPSEEK_V4_ATTENTION = [
     "kv norm",
     "RoPE of q and of the kv (one kernel)",
     "inverse RoPE of the attention output",
+    "the output projection's input: a reshape of a permuted einsum result, which must copy (fuser's copy kernel)",
 ]
 # transformers' GPT-OSS experts have biases: gathered per sorted slot and added in place
 # (`out.add_(bias)`) after each grouped GEMM. The GEMM's output is fresh, so the add is read as
@@ -97,10 +98,9 @@ GROUP_MASK: dict = {}
 # MLA builds its key in a new buffer filled by two copy_ writes (k_nope, then k_pe over the
 # heads), read as their concatenation (fuser.idioms): it joins the kernel that computes k_pe.
 MLA_WRITES: dict = {}
-# DeepSeek-V4's output projection reads a reshape of a permuted einsum result, which must copy;
-# in fp32, two of its interleaved rotary tables (`cos.repeat_interleave(2, -1)`) are read by the
-# merged RoPE kernel rather than recomputed in it (in bf16 every kernel recomputes them).
-DEEPSEEK_V4_TABLES = {"repeat_interleave": 2, "reshape_copy": 1}
+# In fp32, two of DeepSeek-V4's interleaved rotary tables (`cos.repeat_interleave(2, -1)`) are
+# read by the merged RoPE kernel rather than recomputed in it (in bf16 every kernel recomputes them).
+DEEPSEEK_V4_TABLES = {"repeat_interleave": 2}
 
 
 def _plus(*counts: dict) -> dict:
