@@ -191,3 +191,30 @@ def test_the_cli_checks_and_explains_a_model_factory(tmp_path):
     assert explained.returncode == 0, explained.stderr
     data = json.loads(explained.stdout)
     assert data["model"] == "Qwen3ForCausalLM" and len(data["groups"][0]["layers"]) == 2
+
+
+def test_near_ties_of_a_router_are_the_tokens_whose_kth_and_next_scores_meet():
+    """A layer's check leaves out only tokens whose top-k choice is a near tie in eager's own
+    scores (a last-bit difference may pick another expert there): with the random router, the
+    tokens whose 2nd and 3rd router probabilities (read off the router's own forward) are that
+    close; every token once all experts' router rows are made equal."""
+    model = causal_lm("qwen3_moe", layers=2)
+    inputs = decode_inputs(batch=16)
+    layer = model.model.layers[0]
+    args, kwargs, expected = fuser.model._record_calls(model, (), inputs, [layer])[id(layer)]
+    p = fuser.plan(layer, args, example_kwargs=kwargs, batch_inputs=fuser.model._batch_inputs(layer, args, kwargs))
+    flat, _ = p.guard.check(args, kwargs)
+    rows = expected.shape[0]
+    seen = []
+    hook = layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[0]))
+    with torch.no_grad():
+        layer(*args, **kwargs)
+    hook.remove()
+    probs = torch.softmax(seen[0].float(), dim=-1).sort(dim=-1, descending=True).values
+    k = layer.mlp.gate.top_k
+    close = (probs[:, k - 1] - probs[:, k]).abs() <= fuser.model.NEAR_TIE * probs[:, k - 1]
+    assert fuser.model._near_ties(layer, p, flat, rows) == set(close.nonzero().flatten().tolist())
+    with torch.no_grad():
+        router = layer.mlp.gate.weight
+        router[:] = router[0]
+    assert fuser.model._near_ties(layer, p, flat, rows) == set(range(rows))
