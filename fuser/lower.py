@@ -1025,12 +1025,10 @@ class _Lowerer:
         for operand, node in zip(outs, self.outputs):
             self.store(operand, node)
         names = {self.cops[n].op for n in self.nodes}
-        reducing = bool(names & ops.REDUCING)
-        warps = heuristic_warps(numel, reducing, self.tiled, self.tiled and self._leading, names)
+        leading = self.tiled and self._leading
+        warps = heuristic_warps(numel, bool(names & ops.REDUCING), self.tiled, leading, names)
         helpers = tuple(sorted(self.helpers))
-        return RowProgram(
-            ins, outs, self.lines, self.tiled, self.tiled and self._leading, self.last, self.block_last, warps, numel, helpers
-        )
+        return RowProgram(ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps, numel, helpers)
 
     def _operand(self, node: fx.Node, name: str) -> Operand:
         op = operand(self.traced, node, name)

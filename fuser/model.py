@@ -337,10 +337,11 @@ def _attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, grap
         key_a, key_b = _node_key(a, index_a), _node_key(b, index_b)
         if key_a == key_b:
             continue
-        if not a.meta.get(LEAF) or (a.op, a.target, len(a.args), a.kwargs) != (b.op, b.target, len(b.args), b.kwargs):
+        same_call = (a.op, str(a.target), len(a.args), _keyed(a.kwargs, index_a)) == (b.op, str(b.target), len(b.args), _keyed(b.kwargs, index_b))
+        if not a.meta.get(LEAF) or not same_call:
             return None
         for position, (x, y) in enumerate(zip(a.args, b.args)):
-            if _node_key_arg(x, index_a) == _node_key_arg(y, index_b):
+            if _keyed(x, index_a) == _keyed(y, index_b):
                 continue
             if type(x) is not int or type(y) is not int:
                 return None
@@ -352,13 +353,12 @@ def _attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, grap
 
 
 def _node_key(node, index) -> tuple:
-    pick = lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a  # noqa: E731
-    return (node.op, str(node.target), repr(torch.fx.node.map_aggregate(node.args, pick)),
-            repr(torch.fx.node.map_aggregate(node.kwargs, pick)))  # fmt: skip
+    return node.op, str(node.target), _keyed(node.args, index), _keyed(node.kwargs, index)
 
 
-def _node_key_arg(arg, index) -> str:
-    return repr(torch.fx.node.map_aggregate(arg, lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a))
+def _keyed(value, index) -> str:
+    """``value`` (a node's arguments, or one of them) with each node as its place in the graph."""
+    return repr(torch.fx.node.map_aggregate(value, lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a))
 
 
 def _read_at_run_time(graph, node_name: str, position: int, attribute: str) -> None:
@@ -420,7 +420,7 @@ def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
                 scores[n] = self.env[p.cops[n].args[0]]
             return super().run_node(n)
 
-    graph_inputs = [copy.deepcopy(v) if n in p.traced.call.states else v for n, v in zip(p.traced.input_names, inputs)]
+    graph_inputs = p.traced.fresh_inputs(inputs)
     with preserved_state(layer, [x for x in graph_inputs if isinstance(x, torch.Tensor)]), torch.no_grad():
         Scores(torch.fx.GraphModule(layer, p.traced.graph)).run(*graph_inputs)
     tied: set[int] = set()

@@ -16,6 +16,7 @@ type). :class:`CallSpec` is that mapping, built from the example call:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 from dataclasses import dataclass
@@ -140,8 +141,6 @@ def is_state(value: Any) -> bool:
 
 def with_state_copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call with each state object deep-copied: a run of it leaves the caller's state alone."""
-    import copy
-
     return pytree.tree_map(lambda v: copy.deepcopy(v) if is_state(v) else v, (tuple(args), dict(kwargs)))
 
 

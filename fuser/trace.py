@@ -78,13 +78,12 @@ class Traced:
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
 
-    def fresh_inputs(self) -> tuple:
-        """The example inputs to run the graph on: state objects (a KV cache) copied anew, so
-        that a run never changes the example's."""
+    def fresh_inputs(self, inputs: Sequence[Any] | None = None) -> tuple:
+        """The graph's inputs (the example's, by default) to run it on: state objects (a KV
+        cache) copied anew, so that a run never changes the caller's."""
         states = self.call.states if self.call is not None else ()
-        return tuple(
-            copy.deepcopy(v) if n in states else v for n, v in zip(self.input_names, self.example_inputs)
-        )
+        values = self.example_inputs if inputs is None else inputs
+        return tuple(copy.deepcopy(v) if n in states else v for n, v in zip(self.input_names, values))
 
     def batch_dims(self, node: fx.Node) -> tuple[int, ...]:
         """Dimensions of ``node``'s tensor value that follow the batch size."""

@@ -58,11 +58,15 @@ def _helper_line(marker: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if line.rstrip().endswith(f"# {marker}"))
 
 
-class HostReadThroughAHelper(nn.Module):
+class Normed(nn.Module):
+    """A layer with a norm weight; what it does around the norm is each test's."""
+
     def __init__(self, n=16):
         super().__init__()
         self.weight = nn.Parameter(torch.rand(n) + 0.5)
 
+
+class HostReadThroughAHelper(Normed):
     def forward(self, x):
         h = torch.sigmoid(rms(x, self.weight))
         return helpers._scaled_by_max(h) * 3 + x
@@ -86,11 +90,7 @@ def test_a_private_helper_that_cannot_be_traced_is_a_reported_leaf():
     assert helpers._scaled_by_max.__code__.co_name == "_scaled_by_max"  # left unpatched
 
 
-class BranchThroughADecorator(nn.Module):
-    def __init__(self, n=16):
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(n) + 0.5)
-
+class BranchThroughADecorator(Normed):
     def forward(self, x):
         return helpers.clipped(rms(x, self.weight)) + x
 
@@ -119,11 +119,7 @@ def _doubled_into(out, x):
     out.copy_(x * 2)
 
 
-class CustomOps(nn.Module):
-    def __init__(self, n=16):
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(n) + 0.5)
-
+class CustomOps(Normed):
     def forward(self, x):
         h = torch.ops.fuser_test.doubled(torch.sigmoid(rms(x, self.weight)))  # CUSTOM-OP
         out = torch.empty_like(h)
@@ -195,11 +191,7 @@ def extension(tmp_path_factory):
 
 
 def test_a_c_extension_given_tensors_is_one_reported_call(extension):
-    class WithExtension(nn.Module):
-        def __init__(self, n=16):
-            super().__init__()
-            self.weight = nn.Parameter(torch.rand(n) + 0.5)
-
+    class WithExtension(Normed):
         def forward(self, x):
             h = torch.sigmoid(rms(x, self.weight))
             out = torch.empty_like(h)
