@@ -164,8 +164,12 @@ def apply_time(layers: int = 43) -> dict:
         times[kind] = round(time.perf_counter() - started, 1)
         print(kind, times[kind], "s;", report.launches_before, "->", report.launches_after, "launches", flush=True)
         fuser.restore(target)
-    return dict(layers=layers, routed_experts=8, apply_s=times, stamp=bench.stamp(),
-                structures=len(report.groups), kernel_cache=str(kernel_dir()))  # fmt: skip
+    fused = sum(len(g.layers) for g in report.groups if g.report)
+    eager = {layer: g.eager for g in report.groups if g.eager for layer in g.layers}
+    near_ties = {layer: tokens for g in report.groups for layer, tokens in g.near_ties.items()}
+    return dict(layers=layers, routed_experts=8, apply_s=times, stamp=bench.stamp(), structures=len(report.groups),
+                layers_fused=fused, layers_eager=eager, near_ties=near_ties,
+                launches=[report.launches_before, report.launches_after], kernel_cache=str(kernel_dir()))  # fmt: skip
 
 
 def markdown(results: dict) -> str:
@@ -193,6 +197,10 @@ def markdown(results: dict) -> str:
         lines += [f"## fuser.apply on {a['layers']} DSv4-Flash-shape layers ({a['routed_experts']} routed experts)", "",
                   f"cold {a['apply_s']['cold']} s, warm (kernels cached) {a['apply_s']['warm']} s; "
                   f"{a['structures']} layer structure(s) traced.", ""]  # fmt: skip
+        if "layers_fused" in a:
+            lines += [f"{a['layers_fused']} of {a['layers']} layers fused ({a['launches'][0]} -> {a['launches'][1]} glue launches "
+                      f"a step); left eager: {a['layers_eager'] or 'none'}; tokens left out of a layer's check as router "
+                      f"near ties: {a['near_ties'] or 'none'}.", ""]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
