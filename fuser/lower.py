@@ -48,6 +48,11 @@ _EXPRESSIONS = {name: op.triton for name, op in ops.TABLE.items() if op.kind == 
 INDEX_DTYPES = {torch.int64: "tl.int64", torch.int32: "tl.int32"}
 # Most picks a top-k is unrolled into.
 TOPK_LIMIT = 64
+# A top-k key: the value's 32 ordered bits above 31 bits of index (so keys stay within int64),
+# and a key below every key for lanes already picked or outside the row.
+_INDEX_BITS = 31
+_INDEX_SPAN = 1 << _INDEX_BITS
+_NO_KEY = -(1 << 62) - 1
 
 
 def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) -> str:
@@ -803,35 +808,37 @@ class _Lowerer:
 
     def topk(self, node: fx.Node, cop: COp):
         """``torch.topk`` along the last axis, unrolled into k picks of the best remaining value
-        (the lowest index among equals). NaN ranks above every number, as in torch.topk."""
+        (the lowest index among equals; NaN above every number, as torch sorts it). Each pick is
+        one max over 64-bit keys: the value's bits in an order-preserving integer, then the
+        index, so that the pick, its value and its index come out of a single reduction."""
         src = cop.args[0]
         k, largest = cop.attr("k"), cop.attr("largest")
         if k > TOPK_LIMIT:
             raise LoweringError(f"`{node.name}`: top-{k} is more than {TOPK_LIMIT} picks")
         shape = self.padded(src)
-        rank, axis, last = len(shape), len(shape) - 1, shape[-1]
+        rank, axis = len(shape), len(shape) - 1
         name = self.fresh(node, "topk")
         cols = self.axis_index(src, axis, rank)
         picks = _expand(f"tl.arange(0, {pow2(k)})", axis, rank)
-        worst, best = ("float('-inf')", "tl.max") if largest else ("float('inf')", "tl.min")
-        x = self.f32(src)
-        mask = self.mask(src)
+        x, mask = self.f32(src), self.mask(src)
+        order = "_s" if largest else "~_s"  # smallest first: the order reversed (NaN still last)
         out = shape[:-1] + (pow2(k),)
         self.lines += [
-            f"{name}_rank = tl.where({x} != {x}, float('inf'), {x})  # {node.name}: NaN first",
-            f"{name}_free = {mask if mask else f'tl.full({shape}, 1, tl.int1)'}",
-            f"{name}_val = tl.zeros({out}, tl.float32)",
-            f"{name}_idx = tl.zeros({out}, tl.int64)",
+            f"_s = tl.where({x} != {x}, 0x7FC00000, tl.where({x} == 0, 0, {x}.to(tl.int32, bitcast=True)))  # {node.name}: one NaN, one zero",
+            "_s = tl.where(_s < 0, _s ^ 0x7FFFFFFF, _s)  # ordered as the floats are",
+            f"{name}_key = {order}.to(tl.int64) * {_INDEX_SPAN} + ({_INDEX_SPAN - 1} - {cols})",
         ]
-        for j in range(k):
-            self.lines += [
-                f"_best = tl.expand_dims({best}(tl.where({name}_free, {name}_rank, {worst}), axis={axis}), {axis})",
-                f"_at = tl.expand_dims(tl.min(tl.where({name}_free & ({name}_rank == _best), {cols}, {last}), axis={axis}), {axis})",
-                f"_hit = {cols} == _at",
-                f"{name}_val = tl.where({picks} == {j}, tl.expand_dims({_selected('_hit', x, axis)}, {axis}), {name}_val)",
-                f"{name}_idx = tl.where({picks} == {j}, _at.to(tl.int64), {name}_idx)",
-                f"{name}_free = {name}_free & ~_hit",
-            ]
+        if mask:
+            self.lines.append(f"{name}_key = tl.where({mask}, {name}_key, {_NO_KEY})")
+        self.lines += [f"{name}_val = tl.zeros({out}, tl.float32)", f"{name}_idx = tl.zeros({out}, tl.int64)"]
+        self.lines += [
+            f"for _pick in tl.static_range({k}):",
+            f"    _best = tl.expand_dims(tl.max({name}_key, axis={axis}), {axis})",
+            f"    _s = ({order.replace('_s', f'(_best >> {_INDEX_BITS})')}).to(tl.int32)",
+            f"    {name}_val = tl.where({picks} == _pick, tl.where(_s < 0, _s ^ 0x7FFFFFFF, _s).to(tl.float32, bitcast=True), {name}_val)",
+            f"    {name}_idx = tl.where({picks} == _pick, {_INDEX_SPAN - 1} - (_best & {_INDEX_SPAN - 1}), {name}_idx)",
+            f"    {name}_key = tl.where({name}_key == _best, {_NO_KEY}, {name}_key)",
+        ]
         self.names[node] = (f"{name}_val", f"{name}_idx")
         self.dtypes[node] = self.traced.value(src).dtype
 
@@ -904,6 +911,8 @@ class _Lowerer:
             f"  # {index.name}, {k} per token"
         )
         at_rows = _AtRows(self, f"{name}_rows", k, operands)
+        if self.cops[index].op == "inverse_permutation":  # rows inv[i]: a gather through perm there reads perm[inv[i]] = i
+            at_rows.inverts = (self.cops[index].args[0], f"(row * {k} + {picks})")
         self.lines.append(f"{name} = {at_rows.value(table)}  # {node.name}")
         self.names[node] = name
         self.dtypes[node] = at_rows.dtypes[table]
@@ -1064,6 +1073,8 @@ class _AtRows:
 
     def __init__(self, lowerer: _Lowerer, rows: str, k: int, operands: dict):
         self.lowerer, self.rows, self.k, self.operands = lowerer, rows, k, operands
+        # (perm, positions) when the rows are inverse_permutation(perm) at those positions
+        self.inverts: tuple[fx.Node, str] | None = None
         self.names: dict[fx.Node, str] = {}
         self.dtypes: dict[fx.Node, torch.dtype] = {}
 
@@ -1127,6 +1138,8 @@ class _AtRows:
                 raise LoweringError(f"`{node.name}`: a row gather must read its table directly", node)
             if self.lowerer.block_shape(index):
                 raise LoweringError(f"`{node.name}`: a row gather's index must be one position per row", node)
+            if self.inverts and self.inverts[0] is index:  # table[perm] at rows inv[i] is table[i]
+                return self._input(node, rows=self.inverts[1], source=table)
             return self._input(node, rows=self.value(index), source=table)
         entry = ops.TABLE[cop.op]
         if dtype in INDEX_DTYPES and entry.integer:

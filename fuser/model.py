@@ -30,7 +30,7 @@ from fuser.signature import CallSpec, is_state, with_state_copied
 from fuser.leaves import LEAF
 from fuser.splice import STATE_ATTR, compile_forward, install, is_fused, read_attributes
 from fuser.splice import restore as restore_module
-from fuser.tolerance import LAYER, mismatch
+from fuser.tolerance import LAYER, mismatch, near_tie_rows
 from fuser.trace import preserved_state, trace
 
 MODEL_ATTR = "_fuser_model"  # on a model fused layer by layer: its ModelReport
@@ -246,15 +246,20 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
         p = plan(first, args, example_kwargs=kwargs, batch_inputs=_batch_inputs(first, args, kwargs), **options)
     except Exception as e:  # noqa: BLE001 - a structure fuser cannot fuse stays eager, reported
         return [LayerGroup([name for name, _ in group], eager=f"{type(e).__name__}: {e}")]
+    # The plan's kernels each passed validation on the first layer's inputs; every layer,
+    # the first too, is then checked whole against its own eager forward. One that disagrees
+    # (a MoE router picking another expert on its data) stays eager; the others share the plan.
+    shared, apart, left = LayerGroup([], report=p.report), [], []
     _install(first, p, p.constants, p.precomputed, fused)
     problem, tied = _disagrees(first, calls[id(first)], p)
     if problem:
         restore_module(first)
         fused.remove(first)
-        return [LayerGroup([name for name, _ in group], eager=f"fused, it disagreed with eager on its inputs: {problem}")]
-    shared, apart = LayerGroup([first_name], report=p.report), []
-    if tied:
-        shared.near_ties[first_name] = tied
+        left.append(LayerGroup([first_name], eager=f"fused, it disagreed with eager on its inputs: {problem}"))
+    else:
+        shared.layers.append(first_name)
+        if tied:
+            shared.near_ties[first_name] = tied
     for name, layer in rest:
         literals = dict(zip(p.literals, read_attributes(layer, tuple(p.literals))))
         differing = {k for k, v in literals.items() if v != p.literals[k]}
@@ -276,7 +281,7 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
         shared.layers.append(name)
         if tied:
             shared.near_ties[name] = tied
-    result = [shared]
+    result = ([shared] if shared.layers else []) + left
     for name, layer in apart:  # planned on their own: another structure in all but the look
         result += _fuse_group([(name, layer)], calls, options, fused)
     return result
@@ -316,9 +321,10 @@ def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fu
             _read_at_run_time(p.graph, node_name, position, attribute)
         p.read_at_run_time += new
         p.forward = compile_forward(p.graph, first)
-        restore_module(first)
-        fused.remove(first)
-        _install(first, p, p.constants, p.precomputed, fused)
+        if first in fused:  # (not when its own check left it eager)
+            restore_module(first)
+            fused.remove(first)
+            _install(first, p, p.constants, p.precomputed, fused)
     return True
 
 
@@ -401,11 +407,6 @@ def _disagrees(layer: nn.Module, call, p: Plan) -> tuple[str | None, list[int]]:
     return mismatch(got[0][kept], expected[kept], f"the layer's output without tokens {tied}", LAYER), tied
 
 
-#: A top-k choice is a near tie where the k-th and the next score differ by at most this much,
-#: relative to the k-th (bf16 holds 8 bits: a few of its last-bit steps).
-NEAR_TIE = 2.0**-6
-
-
 def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
     """Rows (tokens) where a top-k of the traced graph, run eagerly on ``inputs``, has its k-th
     and next-best scores within NEAR_TIE of each other."""
@@ -425,13 +426,8 @@ def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
         Scores(torch.fx.GraphModule(layer, p.traced.graph)).run(*graph_inputs)
     tied: set[int] = set()
     for node, value in scores.items():
-        k = p.cops[node].attr("k")
-        if value.dim() != 2 or value.shape[0] != rows or not 0 < k < value.shape[-1]:
-            continue
-        ranked = value.float().sort(dim=-1, descending=p.cops[node].attr("largest")).values
-        kth, next_ = ranked[:, k - 1], ranked[:, k]
-        close = (kth - next_).abs() <= NEAR_TIE * kth.abs().clamp_min(torch.finfo(torch.float32).tiny)
-        tied |= {int(r) for r in close.nonzero().flatten()}
+        if value.dim() == 2 and value.shape[0] == rows:
+            tied |= near_tie_rows(value, p.cops[node].attr("k"), p.cops[node].attr("largest"))
     return tied
 
 

@@ -95,3 +95,20 @@ def least_precise(dtypes) -> torch.dtype | None:
     """The floating dtype with the fewest mantissa bits among ``dtypes`` (None if none is)."""
     floats = [d for d in dtypes if d in _PRECISION]
     return min(floats, key=_PRECISION.get) if floats else None
+
+
+#: A top-k choice is a near tie where the k-th and the next score differ by at most this much,
+#: relative to the k-th (bf16 holds 8 bits: a few of its last-bit steps).
+NEAR_TIE = 2.0**-6
+
+
+def near_tie_rows(scores: torch.Tensor, k: int, largest: bool = True) -> set[int]:
+    """Rows (dim 0) of ``scores`` where a top-k along the last axis has its k-th and next-best
+    scores within NEAR_TIE of each other: there a last-bit difference (or an exact tie, which
+    torch may break either way) picks the other one, and either pick is right."""
+    if scores.dim() < 2 or not 0 < k < scores.shape[-1]:
+        return set()
+    ranked = scores.detach().float().sort(dim=-1, descending=largest).values
+    kth, next_ = ranked[..., k - 1], ranked[..., k]
+    close = (kth - next_).abs() <= NEAR_TIE * kth.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    return {int(r) for r in close.reshape(close.shape[0], -1).any(-1).nonzero().flatten()}

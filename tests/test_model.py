@@ -114,6 +114,32 @@ def test_a_structure_that_cannot_be_fused_stays_eager_and_the_rest_is_fused(monk
         fuser.restore(model)
 
 
+def test_a_layer_that_disagrees_with_its_eager_forward_stays_eager_and_its_structure_is_fused(monkeypatch):
+    """The check of each layer against its own eager forward, the first layer's too, leaves
+    only that layer eager (a router may pick another expert on one layer's data)."""
+    model = causal_lm("qwen3_moe", layers=3)
+    inputs = decode_inputs()
+    expected = logits(model, inputs)
+    checked = fuser.model._disagrees
+    first = model.model.layers[0]
+
+    def disagreeing(layer, call, p):
+        problem, tied = checked(layer, call, p)
+        return ("the layer's output: made up for the test", []) if layer is first else (problem, tied)
+
+    monkeypatch.setattr(fuser.model, "_disagrees", disagreeing)
+    report = fuser.apply(model, (), example_kwargs=inputs)
+    try:
+        shared, eager = report.groups
+        assert shared.layers == ["model.layers.1", "model.layers.2"] and shared.report is not None, report.text()
+        assert eager.layers == ["model.layers.0"] and "made up for the test" in eager.eager, report.text()
+        assert [fuser.is_fused(layer) for layer in model.model.layers] == [False, True, True]
+        assert mismatch(logits(model, inputs), expected, "logits", LAYER) is None
+    finally:
+        fuser.restore(model)
+    assert not fused_layers(model)
+
+
 def test_a_failure_while_installing_leaves_the_model_as_it_was(monkeypatch):
     model = causal_lm("qwen3")
     inputs = decode_inputs()
@@ -212,7 +238,7 @@ def test_near_ties_of_a_router_are_the_tokens_whose_kth_and_next_scores_meet():
     hook.remove()
     probs = torch.softmax(seen[0].float(), dim=-1).sort(dim=-1, descending=True).values
     k = layer.mlp.gate.top_k
-    close = (probs[:, k - 1] - probs[:, k]).abs() <= fuser.model.NEAR_TIE * probs[:, k - 1]
+    close = (probs[:, k - 1] - probs[:, k]).abs() <= fuser.tolerance.NEAR_TIE * probs[:, k - 1]
     assert fuser.model._near_ties(layer, p, flat, rows) == set(close.nonzero().flatten().tolist())
     with torch.no_grad():
         router = layer.mlp.gate.weight

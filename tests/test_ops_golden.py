@@ -309,3 +309,62 @@ def test_every_table_op_has_a_lowering():
         if op.kind == ops.POINTWISE and (op.triton or op.integer):
             continue
         assert op.lowering and hasattr(_Lowerer, f"lower_{op.lowering}"), name
+
+
+class TopK(nn.Module):
+    """``torch.topk`` of a residual sum, its values scaled and its indices returned."""
+
+    def __init__(self, k: int, largest: bool):
+        super().__init__()
+        self.k, self.largest = k, largest
+
+    def forward(self, x, r):
+        values, indices = torch.topk(x + r, self.k, dim=-1, largest=self.largest)
+        return values * 2, indices
+
+
+def with_specials(dtype, width):
+    """Residual inputs whose sums hold NaN, +-inf, both zeros and repeated values."""
+
+    def make(T):
+        x, r = residual(dtype, width)(T)
+        x[:, 0], r[:, 0] = float("nan"), 0.0
+        x[:, width // 2], r[:, width // 2] = float("inf"), 1.0
+        x[:, 1], r[:, 1] = float("-inf"), -1.0
+        x[:, 2], r[:, 2] = -0.0, -0.0  # -0.0
+        x[:, 3], r[:, 3] = 0.0, 0.0
+        x[:, width - 1], r[:, width - 1] = x[:, 4], r[:, 4]  # a tie with column 4
+        if T > 1:
+            x[1, 5], r[1, 5] = float("nan"), 0.0  # two NaNs in one row
+        return x, r
+
+    return make
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("largest", [True, False], ids=["largest", "smallest"])
+def test_topk_orders_nan_infinities_zeros_and_ties_as_torch(largest, dtype, width):
+    """Values exactly torch.topk's (NaN ranked above +inf, smallest-first too); the indices
+    point at those values, once each, and are torch's wherever the value is not repeated (torch
+    orders equal values either way)."""
+    k = min(width, 6)
+    module = TopK(k, largest)
+    make = with_specials(dtype, width)
+    cases = {T: make(T) for T in (1, 3)}
+    expected = {T: eager_call(module, *args) for T, args in cases.items()}
+    report = fuser.apply(module, cases[3])
+    try:
+        got = {T: fused_call(module, *args) for T, args in cases.items()}
+    finally:
+        fuser.restore(module)
+    assert any(n.startswith("topk") for chain in report.chains for n in chain.nodes), report.text()
+    for T, (x, r) in cases.items():
+        (values, indices), (want_values, want_indices) = got[T], expected[T]
+        torch.testing.assert_close(values, want_values, rtol=0, atol=0, equal_nan=True)
+        picked = (x + r).gather(-1, indices) * 2
+        torch.testing.assert_close(picked, want_values, rtol=0, atol=0, equal_nan=True)
+        assert all(len(set(row.tolist())) == k for row in indices), indices
+        sums = x + r
+        unique = (sums.unsqueeze(-1) == sums.gather(-1, want_indices).unsqueeze(-2)).sum(-2) == 1
+        assert torch.equal(indices[unique], want_indices[unique]), (indices, want_indices)
