@@ -196,7 +196,7 @@ def markdown(results: dict) -> str:
         a = results["apply_time"]
         lines += [f"## fuser.apply on {a['layers']} DSv4-Flash-shape layers ({a['routed_experts']} routed experts)", "",
                   f"cold {a['apply_s']['cold']} s, warm (kernels cached) {a['apply_s']['warm']} s; "
-                  f"{a['structures']} layer structure(s) traced.", ""]  # fmt: skip
+                  f"{a['structures']} layer group(s) in the report (one plan per layer structure).", ""]  # fmt: skip
         if "layers_fused" in a:
             lines += [f"{a['layers_fused']} of {a['layers']} layers fused ({a['launches'][0]} -> {a['launches'][1]} glue launches "
                       f"a step); left eager: {a['layers_eager'] or 'none'}; tokens left out of a layer's check as router "

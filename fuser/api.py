@@ -118,7 +118,7 @@ def record_values(module: torch.nn.Module, traced: Traced, cops: dict) -> Record
                     values.written.setdefault(a, []).append((values.order[n], t.clone()))
             return result
 
-    gm = fx.GraphModule(module, traced.graph)
+    gm = traced.graph_module(module)
     with preserved_state(module, traced.example_inputs), torch.no_grad():
         Recorder(gm).run(*traced.fresh_inputs())
     return values
@@ -405,7 +405,7 @@ def plan(
     report.literals = captured_literals(module, traced)
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
     p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
-    p.constants = {attr: value for attr, value in constants.values()}
+    p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
     p.literals = dict(report.literals)
     p.cops = cops

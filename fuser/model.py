@@ -270,7 +270,8 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
             apart.append((name, layer))  # a scalar the fused graph holds differs: its own plan
             continue
         precomputed = dataclasses.replace(p.precomputed, seen=(), warned=False) if p.precomputed else None
-        constants = dict(zip(p.precomputed.names, _computed(p.precomputed, layer))) if p.precomputed else {}
+        computed = dict(zip(p.precomputed.names, _computed(p.precomputed, layer))) if p.precomputed else {}
+        constants = {**p.traced.constants, **computed}
         _install(layer, p, constants, precomputed, fused, literals)
         problem, tied = _disagrees(layer, calls[id(layer)], p)
         if problem:
@@ -423,7 +424,7 @@ def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
 
     graph_inputs = p.traced.fresh_inputs(inputs)
     with preserved_state(layer, [x for x in graph_inputs if isinstance(x, torch.Tensor)]), torch.no_grad():
-        Scores(torch.fx.GraphModule(layer, p.traced.graph)).run(*graph_inputs)
+        Scores(p.traced.graph_module(layer)).run(*graph_inputs)
     tied: set[int] = set()
     for node, value in scores.items():
         if value.dim() == 2 and value.shape[0] == rows:

@@ -65,7 +65,7 @@ def gpu_time_per_node(module: torch.nn.Module, traced: Traced) -> dict[str, floa
             with torch.profiler.record_function(f"fuser_node::{n.name}"):
                 return super().run_node(n)
 
-    gm = fx.GraphModule(module, traced.graph)
+    gm = traced.graph_module(module)
     with preserved_state(module, traced.example_inputs), torch.no_grad():
         Timed(gm).run(*traced.fresh_inputs())  # warm
         torch.cuda.synchronize()

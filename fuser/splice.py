@@ -395,13 +395,13 @@ def install(
     with module_lock(module):
         if is_fused(module):
             raise AlreadyFused(f"{type(module).__name__} is already fused; call fuser.restore() first")
+        for name, value in constants.items():  # (first: a precomputed value may read one)
+            object.__setattr__(module, name, value)
         if precomputed is not None:
             precomputed.seen = _stamp(read_attributes(module, precomputed.sources))
         state = FuserState(
             module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {}))
         )
-        for name, value in constants.items():
-            object.__setattr__(module, name, value)
         _add_copy_hooks(module)
         object.__setattr__(module, STATE_ATTR, state)
         module.__dict__["forward"] = GuardedForward(module)

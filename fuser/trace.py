@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import dataclasses
 import operator
 import sys
 import threading
@@ -74,9 +75,25 @@ class Traced:
     shadows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     call: CallSpec | None = None  # how a call of the forward maps to the graph's inputs
     automatic_leaves: list[AutomaticLeaf] = field(default_factory=list)
+    # tensors the traced code made from Python values (``torch.tensor([...])``), read by the
+    # graph as attributes (fx's ``_tensor_constant<i>``): held here, not on the module, until
+    # the fused forward is installed with them
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
+
+    def graph_module(self, root: torch.nn.Module | None = None) -> fx.GraphModule:
+        """The graph as a module that runs it on the parameters of ``root`` (by default the
+        traced module) and the constants."""
+        root = self.root if root is None else root
+        for name, value in self.constants.items():
+            object.__setattr__(root, name, value)
+        try:
+            return fx.GraphModule(root, self.graph)
+        finally:
+            for name in self.constants:
+                root.__dict__.pop(name, None)
 
     def fresh_inputs(self, inputs: Sequence[Any] | None = None) -> tuple:
         """The graph's inputs (the example's, by default) to run it on: state objects (a KV
@@ -274,7 +291,20 @@ class ShadowTracer(fx.Tracer):
             # A submodule passed to a function (transformers' attention interface takes the
             # attention module): an attribute read, with the module as its shadow value.
             return self.create_proxy("get_attr", self.path_of_module(a), (), {}).node
-        return super().create_arg(a)
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth:
+            # A dataclass given as itself (transformers' config): fx would build it again in
+            # the graph, running its __init__ at every call; it is read as the object instead.
+            name = self.get_fresh_qualname("_constant_")
+            setattr(self.root, name, a)
+            node = self.create_node("get_attr", name, (), {})
+        else:
+            node = super().create_arg(a)
+        if isinstance(node, fx.Node) and node.name not in self.shadows:
+            # A value given as itself (a tensor the code made, a parameter passed as it is, a
+            # named tuple): fx reads it as an attribute or builds it in the graph; it is the
+            # same value at T and T+1.
+            self.shadows[node.name] = (a, a)
+        return node
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self._eager_depth or not isinstance(attr_val, torch.Tensor):
@@ -554,6 +584,7 @@ def trace(
     leaves = list(leaves)
     functions = [x for x in leaves if callable(x) and not isinstance(x, type)] + opaque_functions()
     automatic: list[AutomaticLeaf] = []
+    attributes = set(vars(module)) if isinstance(module, torch.nn.Module) else set()
     while True:
         tracer = ShadowTracer(
             leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic if a.function is None],
@@ -571,6 +602,8 @@ def trace(
             if leaf is None:
                 raise
             automatic.append(leaf)
+        finally:
+            constants = _constants_taken_off(module, attributes)
     state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
     idioms.rewrite(graph, tracer.shadows, state)
     _drop_unused_size_reads(graph)
@@ -583,7 +616,17 @@ def trace(
         shadows=tracer.shadows,
         call=call,
         automatic_leaves=automatic + tracer.noted,
+        constants=constants,
     )
+
+
+def _constants_taken_off(module, attributes: set[str]) -> dict[str, Any]:
+    """The values fx stowed on ``module`` during the trace (``_tensor_constant<i>``: values
+    the traced code was given as themselves), removed from it: the trace leaves the module as
+    it was, and the fused forward is installed with them."""
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    return {name: module.__dict__.pop(name) for name in set(vars(module)) - attributes}
 
 
 def batch_dims_of(call: CallSpec, tensors: list, batch_inputs: dict[str, int] | None) -> dict[str, int]:

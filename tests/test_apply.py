@@ -1,5 +1,6 @@
 """fuser.apply / fuser.restore / fuser.check: in-place splicing, the guard, and validation."""
 
+import dataclasses
 import inspect
 import os
 
@@ -285,3 +286,84 @@ def test_apply_refuses_an_instance_forward_and_leaves_it_in_place():
     assert m.__dict__["forward"] is wrapped
     assert not fuser.is_fused(m)
     assert torch.equal(m(x), expected)
+
+
+class ScaledByPythonValues(nn.Module):
+    """Scales by a tensor its forward makes from Python values (fx reads it as a
+    ``_tensor_constant`` attribute), then a second tensor made the same way is added."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scales = [0.5 + i / width for i in range(width)]
+
+    def forward(self, x, r):
+        h = (x + r).float() * torch.tensor(self.scales)
+        return (h + torch.tensor([0.25])).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tensors_the_forward_makes_from_python_values_are_constants_of_the_fused_forward(dtype):
+    module = ScaledByPythonValues(37)
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(3, 37, generator=g).to(dtype) for _ in range(2))
+    attributes = set(vars(module))
+    with torch.no_grad():
+        expected = module(x, r)
+    report = fuser.apply(module, (x, r))
+    try:
+        assert report.launches_after == 1, report.text()
+        with torch.no_grad():
+            got, at_one = module(x, r), module(x[:1], r[:1])
+        assert mismatch(got, expected, "output", KERNEL) is None
+        assert mismatch(at_one, expected[:1], "output at T=1", KERNEL) is None
+    finally:
+        fuser.restore(module)
+    assert set(vars(module)) == attributes  # nothing of the trace is left on the module
+    fuser.explain(module, (x, r))
+    assert set(vars(module)) == attributes
+
+
+BUILT_CONFIGS = []
+
+
+@dataclasses.dataclass
+class ScaleConfig:
+    scale: float = 0.5
+
+    def __post_init__(self):
+        BUILT_CONFIGS.append(self)
+
+
+@fuser.opaque
+def scaled_by_config(x, config: ScaleConfig):
+    return x * config.scale
+
+
+class GivesAConfigToALeaf(nn.Module):
+    """Passes a dataclass (as transformers passes its config) to an opaque function: the
+    graph reads the very object (fx alone would build it again at every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = ScaleConfig()
+
+    def forward(self, x, r):
+        return scaled_by_config((x + r).relu(), self.config) + 1
+
+
+def test_a_dataclass_given_to_a_leaf_is_passed_as_it_is():
+    module = GivesAConfigToALeaf()
+    BUILT_CONFIGS.clear()
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(3, 40, generator=g) for _ in range(2))
+    with torch.no_grad():
+        expected = module(x, r)
+    report = fuser.apply(module, (x, r))
+    try:
+        with torch.no_grad():
+            got = module(x, r)
+        assert mismatch(got, expected, "output", KERNEL) is None
+        assert report.launches_after < report.launches_before, report.text()
+        assert BUILT_CONFIGS == []  # never built again, neither by the trace nor by the fused forward
+    finally:
+        fuser.restore(module)
