@@ -75,10 +75,10 @@ class Traced:
     shadows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     call: CallSpec | None = None  # how a call of the forward maps to the graph's inputs
     automatic_leaves: list[AutomaticLeaf] = field(default_factory=list)
-    # tensors the traced code made from Python values (``torch.tensor([...])``), read by the
-    # graph as attributes (fx's ``_tensor_constant<i>``): held here, not on the module, until
-    # the fused forward is installed with them
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # values the traced code was given as themselves (a tensor made from Python values, a
+    # dataclass config), read by the graph as attributes (fx's ``_tensor_constant<i>``): held
+    # here, not on the module, until the fused forward is installed with them
+    constants: dict[str, Any] = field(default_factory=dict)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
