@@ -28,7 +28,7 @@ from fuser.report import FusedChain, Rejected, Report, Unfused
 from fuser.splice import (
     AlreadyFused, Guard, Precomputed, compile_forward, install, is_fused, module_lock, precomputation, restore, rewrite_graph,
 )
-from fuser.tolerance import LAYER, least_precise, mismatch, near_tie_rows
+from fuser.tolerance import LAYER, least_precise, mismatch, near_tie_rows, rows_besides_ties
 from fuser.signature import CallSpec, state_tensors, with_state_copied
 from fuser.trace import Traced, batch_dims_of, preserved_state, trace
 
@@ -261,11 +261,11 @@ def _validate(kernel: Kernel, values, cops) -> str | None:
     got, expected_values = _unordered_topk(kernel, cops, list(got), expected_values)
     got, expected_values = _unstable_sort_ties(region, cops, values, got, expected_values)
     tied, rows = _tied_rows(region, values, cops)
+    kept = rows_besides_ties(tied, rows)  # either pick of a near tie is right
     for node, actual, expected in zip(region.outputs, got, expected_values):
         coarsest = least_precise([precision, expected.dtype]) if isinstance(expected, torch.Tensor) else None
         problem = mismatch(actual, expected, f"`{node.name}`", tol_dtype=coarsest)
-        if problem and tied and isinstance(expected, torch.Tensor) and expected.dim() and expected.shape[0] == rows:
-            kept = [r for r in range(rows) if r not in tied]  # either pick of a near tie is right
+        if problem and kept and isinstance(expected, torch.Tensor) and expected.dim() and expected.shape[0] == rows:
             problem = mismatch(actual[kept], expected[kept], f"`{node.name}` without rows {sorted(tied)}", tol_dtype=coarsest)
         if problem and not _near_tie(node, actual, expected, values, cops, coarsest):
             return problem
@@ -274,8 +274,8 @@ def _validate(kernel: Kernel, values, cops) -> str | None:
 
 def _tied_rows(region: Region, values, cops) -> tuple[set[int], int]:
     """The rows where a top-k of the chain picks between near-equal scores
-    (:func:`fuser.tolerance.near_tie_rows`), and the row count; none when they are more than a
-    quarter of the rows (near ties everywhere would say nothing of the kernel)."""
+    (:func:`fuser.tolerance.near_tie_rows`), and the row count (none when the chain's top-k
+    have different row counts)."""
     tied, rows = set(), set()
     for node in region.nodes:
         cop = cops[node]
@@ -283,9 +283,7 @@ def _tied_rows(region: Region, values, cops) -> tuple[set[int], int]:
         if isinstance(scores, torch.Tensor) and scores.dim() >= 2:
             rows.add(scores.shape[0])
             tied |= near_tie_rows(scores, cop.attr("k"), cop.attr("largest"))
-    if len(rows) != 1 or len(tied) * 4 > min(rows):
-        return set(), 0
-    return tied, rows.pop()
+    return (tied, rows.pop()) if len(rows) == 1 else (set(), 0)
 
 
 def _near_tie(node: fx.Node, actual, expected, values, cops, dtype) -> bool:

@@ -46,7 +46,7 @@ _EXPRESSIONS = {name: op.triton for name, op in ops.TABLE.items() if op.kind == 
 
 # Integer values a row program carries: top-k indices and the indices a gather reads.
 INDEX_DTYPES = {torch.int64: "tl.int64", torch.int32: "tl.int32"}
-# Most picks a top-k is unrolled into.
+# Most picks a top-k makes (one reduction each).
 TOPK_LIMIT = 64
 # A top-k key: the value's 32 ordered bits above 31 bits of index (so keys stay within int64),
 # and a key below every key for lanes already picked or outside the row.
@@ -821,12 +821,12 @@ class _Lowerer:
         cols = self.axis_index(src, axis, rank)
         picks = _expand(f"tl.arange(0, {pow2(k)})", axis, rank)
         x, mask = self.f32(src), self.mask(src)
-        order = "_s" if largest else "~_s"  # smallest first: the order reversed (NaN still last)
+        flip = "" if largest else "~"  # smallest first: the order reversed (NaN still last)
         out = shape[:-1] + (pow2(k),)
         self.lines += [
             f"_s = tl.where({x} != {x}, 0x7FC00000, tl.where({x} == 0, 0, {x}.to(tl.int32, bitcast=True)))  # {node.name}: one NaN, one zero",
             "_s = tl.where(_s < 0, _s ^ 0x7FFFFFFF, _s)  # ordered as the floats are",
-            f"{name}_key = {order}.to(tl.int64) * {_INDEX_SPAN} + ({_INDEX_SPAN - 1} - {cols})",
+            f"{name}_key = {flip}_s.to(tl.int64) * {_INDEX_SPAN} + ({_INDEX_SPAN - 1} - {cols})",
         ]
         if mask:
             self.lines.append(f"{name}_key = tl.where({mask}, {name}_key, {_NO_KEY})")
@@ -834,7 +834,7 @@ class _Lowerer:
         self.lines += [
             f"for _pick in tl.static_range({k}):",
             f"    _best = tl.expand_dims(tl.max({name}_key, axis={axis}), {axis})",
-            f"    _s = ({order.replace('_s', f'(_best >> {_INDEX_BITS})')}).to(tl.int32)",
+            f"    _s = ({flip}(_best >> {_INDEX_BITS})).to(tl.int32)",
             f"    {name}_val = tl.where({picks} == _pick, tl.where(_s < 0, _s ^ 0x7FFFFFFF, _s).to(tl.float32, bitcast=True), {name}_val)",
             f"    {name}_idx = tl.where({picks} == _pick, {_INDEX_SPAN - 1} - (_best & {_INDEX_SPAN - 1}), {name}_idx)",
             f"    {name}_key = tl.where({name}_key == _best, {_NO_KEY}, {name}_key)",

@@ -30,7 +30,7 @@ from fuser.signature import CallSpec, is_state, with_state_copied
 from fuser.leaves import LEAF
 from fuser.splice import STATE_ATTR, compile_forward, install, is_fused, read_attributes
 from fuser.splice import restore as restore_module
-from fuser.tolerance import LAYER, mismatch, near_tie_rows
+from fuser.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
 from fuser.trace import preserved_state, trace
 
 MODEL_ATTR = "_fuser_model"  # on a model fused layer by layer: its ModelReport
@@ -376,7 +376,6 @@ def _read_at_run_time(graph, node_name: str, position: int, attribute: str) -> N
     node.update_arg(position, read)
 
 
-
 def _graph_key(graph) -> list:
     """The graph's ops in order, with their literal arguments and which nodes they read."""
     index = {n: i for i, n in enumerate(graph.nodes)}
@@ -402,9 +401,9 @@ def _disagrees(layer: nn.Module, call, p: Plan) -> tuple[str | None, list[int]]:
     if problem is None or not got[0].dim():
         return problem, []
     tied = sorted(_near_ties(layer, p, inputs, rows=expected.shape[0]))
-    if not tied or len(tied) * 4 > expected.shape[0]:
-        return problem, []  # (near ties everywhere say nothing of a kernel)
-    kept = [r for r in range(expected.shape[0]) if r not in tied]
+    kept = rows_besides_ties(set(tied), expected.shape[0])
+    if kept is None:
+        return problem, []
     return mismatch(got[0][kept], expected[kept], f"the layer's output without tokens {tied}", LAYER), tied
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -136,7 +137,7 @@ def is_state(value: Any) -> bool:
     buffers), rather than a constant of the call."""
     if isinstance(value, (torch.Tensor, torch.nn.Module, type) + _BY_VALUE) or callable(value):
         return False
-    return _holds_tensors(value, depth=3)
+    return next(_tensors_within(value, "", _STATE_DEPTH, width=64), None) is not None
 
 
 def with_state_copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -147,37 +148,34 @@ def with_state_copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def state_tensors(args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
     """The tensors that the call's state objects hold, by path (``past_key_values.layers[0].keys``)."""
     found: dict[str, torch.Tensor] = {}
-
-    def walk(value, path: str, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found[path] = value
-        elif depth and isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, f"{path}[{i}]", depth - 1)
-        elif depth and not isinstance(value, _BY_VALUE):
-            for k, v in list(getattr(value, "__dict__", {}).items()):
-                walk(v, f"{path}.{k}", depth - 1)
-
     bound = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
     for name, value in bound.items():
         for path, leaf in pytree.tree_flatten_with_path(value)[0]:
             if is_state(leaf):
-                walk(leaf, name + "".join(str(k) for k in path), 3)
+                found.update(_tensors_within(leaf, name + "".join(str(k) for k in path), _STATE_DEPTH))
     return found
 
 
-def _holds_tensors(value: Any, depth: int) -> bool:
+#: How deep into a state object its tensors are looked for (a cache's layers' keys: 3).
+_STATE_DEPTH = 3
+
+
+def _tensors_within(value: Any, path: str, depth: int, width: int | None = None):
+    """(path, tensor) for each tensor ``value`` holds, ``depth`` levels into its lists, tuples,
+    dicts and attributes (at most ``width`` items of each, when given)."""
     if isinstance(value, torch.Tensor):
-        return True
+        yield path, value
+        return
     if depth == 0 or isinstance(value, _BY_VALUE):
-        return False
+        return
     if isinstance(value, (list, tuple)):
-        items = value
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
     elif isinstance(value, dict):
-        items = list(value.values())
+        items = ((f"{path}[{k!r}]", v) for k, v in list(value.items()))
     else:
-        items = list(getattr(value, "__dict__", {}).values())
-    return any(_holds_tensors(v, depth - 1) for v in items[:64])
+        items = ((f"{path}.{k}", v) for k, v in list(getattr(value, "__dict__", {}).items()))
+    for item_path, item in itertools.islice(items, width):
+        yield from _tensors_within(item, item_path, depth - 1, width)
 
 
 def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:

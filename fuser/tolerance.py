@@ -112,3 +112,12 @@ def near_tie_rows(scores: torch.Tensor, k: int, largest: bool = True) -> set[int
     kth, next_ = ranked[..., k - 1], ranked[..., k]
     close = (kth - next_).abs() <= NEAR_TIE * kth.abs().clamp_min(torch.finfo(torch.float32).tiny)
     return {int(r) for r in close.reshape(close.shape[0], -1).any(-1).nonzero().flatten()}
+
+
+def rows_besides_ties(tied: set[int], rows: int) -> list[int] | None:
+    """The rows to compare once the near-tie rows ``tied`` are left out; None when there is
+    none to leave out, or more than a quarter of the rows (near ties everywhere would say
+    nothing of the kernel)."""
+    if not tied or len(tied) * 4 > rows:
+        return None
+    return [r for r in range(rows) if r not in tied]

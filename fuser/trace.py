@@ -561,8 +561,9 @@ def trace(
     baked in (:mod:`fuser.signature`). ``leaves`` adds opaque leaves: submodule qualified names,
     module classes or functions. A submodule whose forward cannot be traced becomes a leaf by
     itself, and so is each call into compiled code (listed in ``Traced.automatic_leaves``;
-    :mod:`fuser.leaves`); only code of the traced forward itself is refused. ``batch_inputs`` maps forward parameter names (or graph input names) to their
-    batch dim (default: dim 0 of every tensor input). Buffers the forward mutates are restored.
+    :mod:`fuser.leaves`); only code of the traced forward itself is refused. ``batch_inputs``
+    maps forward parameter names (or graph input names) to their batch dim (default: dim 0 of
+    every tensor input). Buffers the forward mutates are restored.
     """
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})

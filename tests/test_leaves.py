@@ -58,6 +58,16 @@ def _helper_line(marker: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if line.rstrip().endswith(f"# {marker}"))
 
 
+def the_one_leaf(traced, function, name: str, where: str):
+    """The trace's one automatic leaf, after checking it is ``name`` at ``where`` and that the
+    graph calls ``function`` once."""
+    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is function]
+    assert len(calls) == 1, calls
+    (leaf,) = traced.automatic_leaves
+    assert (leaf.name, leaf.where) == (name, where)
+    return leaf
+
+
 class Normed(nn.Module):
     """A layer with a norm weight; what it does around the norm is each test's."""
 
@@ -76,12 +86,9 @@ def test_a_private_helper_that_cannot_be_traced_is_a_reported_leaf():
     layer = HostReadThroughAHelper()
     x = torch.randn(5, 16)
     traced = trace(layer, (x,))
-    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is helpers._scaled_by_max]
-    assert len(calls) == 1
+    where = f"/virtual/fuser_test_leaf_helpers.py:{_helper_line('HOST-READ')}"
+    leaf = the_one_leaf(traced, helpers._scaled_by_max, "fuser_test_leaf_helpers._scaled_by_max", where)
     assert not any(n.op == "call_method" and n.target == "item" for n in traced.graph.nodes)
-    (leaf,) = traced.automatic_leaves
-    assert leaf.name == "fuser_test_leaf_helpers._scaled_by_max"
-    assert leaf.where == f"/virtual/fuser_test_leaf_helpers.py:{_helper_line('HOST-READ')}"
     assert "host read" in leaf.reason
     result = fuser.check(layer, (x,))
     assert result.ok, result.problems
@@ -99,11 +106,8 @@ def test_a_decorated_helper_is_a_leaf_as_the_module_holds_it():
     layer = BranchThroughADecorator()
     x = torch.randn(4, 16) * 3
     traced = trace(layer, (x,))
-    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is helpers.clipped]
-    assert len(calls) == 1, "the wrapper the module holds is the one call"
-    (leaf,) = traced.automatic_leaves
-    assert leaf.name == "fuser_test_leaf_helpers.clipped"
-    assert leaf.where == f"/virtual/fuser_test_leaf_helpers.py:{_helper_line('DATA-BRANCH')}"
+    where = f"/virtual/fuser_test_leaf_helpers.py:{_helper_line('DATA-BRANCH')}"
+    the_one_leaf(traced, helpers.clipped, "fuser_test_leaf_helpers.clipped", where)  # the wrapper the module holds
     result = fuser.check(layer, (x,))
     assert result.ok, result.problems
 
@@ -201,11 +205,7 @@ def test_a_c_extension_given_tensors_is_one_reported_call(extension):
     layer = WithExtension()
     x = torch.randn(5, 16)
     traced = trace(layer, (x,))
-    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is extension.doubled_into]
-    assert len(calls) == 1
-    (leaf,) = traced.automatic_leaves
-    assert leaf.name == "fuser_test_ext.doubled_into"
-    assert leaf.where == f"{__file__}:{_line('C-CALL')}"
+    leaf = the_one_leaf(traced, extension.doubled_into, "fuser_test_ext.doubled_into", f"{__file__}:{_line('C-CALL')}")
     assert "compiled function" in leaf.reason
     result = fuser.check(layer, (x,))
     assert result.ok, result.problems
