@@ -196,9 +196,11 @@ def _unordered_outputs(traced: Traced, cops, got, expected):
 def _unstable_sort_ties(region: Region, cops, values, got: list, expected: list) -> tuple[list, list]:
     """``torch.sort(stable=False)`` may order equal keys either way, so the kernel and eager may
     give different permutations for the same sort. A permutation output of such a sort is
-    compared with each run of equal sorted keys in ascending order (:func:`_ties_in_order`);
-    the inverse of one (:func:`fuser.idioms.inverse_permutation`) as the inverse of that."""
+    compared with each run of equal sorted keys in ascending order (:func:`_tie_order`); the
+    inverse of one (:func:`fuser.idioms.inverse_permutation`) as the inverse of that; rows
+    gathered through one (``hidden[perm // k]``) in the order its entries were put in."""
     got, expected = list(got), list(expected)
+    orders: dict[fx.Node, list] = {}  # a permutation node -> the reorder of (got, expected)
     for i, node in enumerate(region.outputs):
         cop = cops[node]
         inverse = cop.op == "inverse_permutation"
@@ -210,9 +212,27 @@ def _unstable_sort_ties(region: Region, cops, values, got: list, expected: list)
         pair = [_inverted(got[i]), _inverted(expected[i])] if inverse else [got[i], expected[i]]
         dim = sort.attr("dim")
         keys = values[sort.args[0]].take_along_dim(pair[1], dim)  # the sorted keys, as eager has them
-        pair = [_ties_in_order(p, keys, dim) for p in pair]
+        order = [_tie_order(p, keys, dim) for p in pair]
+        pair = [p.take_along_dim(o, dim) for p, o in zip(pair, order)]
         got[i], expected[i] = [_inverted(p) for p in pair] if inverse else pair
+        if not inverse and pair[0].dim() == 1:
+            orders[node] = order
+    for i, node in enumerate(region.outputs):
+        perm = _gathered_through(cops[node], cops)
+        if perm in orders and isinstance(got[i], torch.Tensor):
+            got[i], expected[i] = (v[o] for v, o in zip((got[i], expected[i]), orders[perm]))
     return got, expected
+
+
+def _gathered_through(cop, cops) -> fx.Node | None:
+    """The permutation whose entries (or their quotients, ``perm // k``) pick the rows that
+    ``cop`` gathers, or None."""
+    if cop.op != "gather_rows":
+        return None
+    index = cop.args[1]
+    while isinstance(index, fx.Node) and cops[index].op == "floordiv" and not isinstance(cops[index].args[1], fx.Node):
+        index = cops[index].args[0]
+    return index if isinstance(index, fx.Node) else None
 
 
 def _unstable_sort(cop, cops):
@@ -228,15 +248,22 @@ def _inverted(perm: torch.Tensor) -> torch.Tensor | None:
     return torch.argsort(perm)
 
 
-def _ties_in_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor:
-    """``perm`` with the entries under each run of equal ``keys`` sorted: every permutation that
-    sorts the keys becomes the stable one; any other stays different from it."""
+def _tie_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """The reorder along ``dim`` that sorts the entries of ``perm`` under each run of equal
+    ``keys``: it makes every permutation that sorts the keys the stable one; any other stays
+    different from it."""
     if perm.shape != keys.shape or perm.dtype != torch.int64 or perm.shape[dim] < 2:
-        return perm
+        shape = [1] * perm.dim()
+        shape[dim] = -1
+        return torch.arange(perm.shape[dim], device=perm.device).view(shape).expand_as(perm)  # as it is
     p, k = perm.movedim(dim, -1), keys.movedim(dim, -1)
     run = torch.cat([torch.zeros_like(p[..., :1]), (k[..., 1:] != k[..., :-1]).long().cumsum(-1)], -1)
-    order = torch.argsort(run * p.shape[-1] + p, dim=-1, stable=True)
-    return p.gather(-1, order).movedim(-1, dim)
+    return torch.argsort(run * p.shape[-1] + p, dim=-1, stable=True).movedim(-1, dim)
+
+
+def _ties_in_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """``perm`` with the entries under each run of equal ``keys`` sorted (:func:`_tie_order`)."""
+    return perm.take_along_dim(_tie_order(perm, keys, dim), dim)
 
 
 # Triton's CPU interpreter swaps triton.language functions in and out around every launch,

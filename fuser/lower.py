@@ -1017,8 +1017,7 @@ class _Lowerer:
                 math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))
                 for n in values
             )
-            floor = 1 if self._leading else 16  # at least 16 columns; heads by the one
-            self.block_last = min(pow2(self.last), max(floor, pow2(max(1, 2048 // others))))
+            self.block_last = self.tile_width(others)
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
         self._operands = ins
         for operand, node in zip(ins, self.inputs):
@@ -1038,6 +1037,12 @@ class _Lowerer:
         warps = heuristic_warps(numel, bool(names & ops.REDUCING), self.tiled, leading, names)
         helpers = tuple(sorted(self.helpers))
         return RowProgram(ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps, numel, helpers)
+
+    def tile_width(self, others: int) -> int:
+        """Elements of the tiled axis a program takes, when each of them comes with ``others``
+        elements of the other axes: about 2048 a program, at least 16 columns (heads by the one)."""
+        floor = 1 if self._leading else 16
+        return min(pow2(self.last), max(floor, pow2(max(1, 2048 // others))))
 
     def _operand(self, node: fx.Node, name: str) -> Operand:
         op = operand(self.traced, node, name)

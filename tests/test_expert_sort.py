@@ -1,7 +1,8 @@
-"""The expert-offset preparation of grouped-GEMM MoE (patterns/expert_sort.py): the kernel
-against plain PyTorch over odd and realistic sizes, ties, out-of-range ids and both histc
-spellings; the chain fused in transformers' own MoE layers; validation that is blind to the
-order an unstable sort gives equal ids, and only to that."""
+"""The expert-offset preparation of grouped-GEMM MoE (patterns/expert_sort.py, and
+patterns/expert_sort_rows.py with the gather of each pair's hidden row): the kernel against
+plain PyTorch over odd and realistic sizes, ties, out-of-range ids and both histc spellings;
+the chain fused in transformers' own MoE layers; validation that is blind to the order an
+unstable sort gives equal ids, and only to that."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn as nn
 
 import fuser
 from examples.zoo import layers as zoo
+import fuser.api
 from fuser.api import _ties_in_order
 from fuser.emit import KernelSpec, emit
 from fuser.lower import Operand
@@ -16,16 +18,21 @@ from fuser.lower import Operand
 OUTPUTS = ("sorted_ids", "perm", "offsets", "inverse")
 
 
-def expert_sort_kernel(num_experts: int, outputs=OUTPUTS):
-    """The rendered kernel module and its launcher, for ``num_experts`` bins."""
+def expert_sort_kernel(num_experts: int, outputs=OUTPUTS, rows: tuple[int, int, torch.dtype] | None = None):
+    """The rendered kernel module and its launcher, for ``num_experts`` bins; with ``rows``
+    (width, k, dtype) also the gathered hidden rows (patterns/expert_sort_rows.py)."""
     dtypes = dict(sorted_ids=torch.int64, perm=torch.int64, offsets=torch.int32, inverse=torch.int64)
+    inputs = [Operand("in0", "expert_ids", (), torch.int64, True)]
+    params = {"bins": num_experts, "top": num_experts - 1, "inverse": int("inverse" in outputs)}
     operands = [
         Operand(name, name, (num_experts,) if name == "offsets" else (), dtypes[name], name != "offsets") for name in outputs
     ]
-    spec = KernelSpec(
-        "expert_sort", "expert_sort", [Operand("in0", "expert_ids", (), torch.int64, True)], operands,
-        {"bins": num_experts, "top": num_experts - 1, "inverse": int("inverse" in outputs)},
-    )  # fmt: skip
+    if rows is not None:
+        width, k, dtype = rows
+        inputs.append(Operand("in1", "hidden", (width,), dtype, True))
+        operands.insert(3, Operand("rows", "rows", (width,), dtype, True))
+        params["k"] = k
+    spec = KernelSpec("expert_sort", "expert_sort_rows" if rows else "expert_sort", inputs, operands, params)
     return emit(spec)
 
 
@@ -68,6 +75,36 @@ def test_kernel_matches_a_stable_sort_and_histc(T, k, E):
     _, launch = expert_sort_kernel(E)
     ids = routed_ids(T, k, E, seed=T * 1000 + k * 10 + E)
     assert_same(launch(ids), reference(ids, E))
+
+
+# (T, k, E, width): odd widths, one column block and several; few ids (the copy spread over
+# many programs) and many (a program's share of the columns several blocks).
+ROW_SIZES = [(1, 8, 256, 300), (3, 2, 60, 1), (5, 4, 32, 129), (64, 8, 128, 72), (512, 2, 8, 200)]
+ROW_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+@pytest.mark.parametrize("T,k,E,width", ROW_SIZES, ids=[f"T{t}-k{k}-E{e}-N{n}" for t, k, e, n in ROW_SIZES])
+def test_rows_kernel_matches_the_sort_and_the_gather(T, k, E, width, dtype):
+    """The rows are a copy: exact in every dtype (the tolerance is zero)."""
+    _, launch = expert_sort_kernel(E, rows=(width, k, dtype))
+    ids = routed_ids(T, k, E, seed=T + k + E + width)
+    hidden = torch.randn(T, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+    sorted_ids, perm, offsets, rows, inverse = launch(ids, hidden)
+    assert_same((sorted_ids, perm, offsets, inverse), reference(ids, E))
+    assert rows.dtype == dtype and torch.equal(rows, hidden[reference(ids, E)[1] // k])
+
+
+def test_rows_of_a_strided_hidden_and_of_out_of_range_ids():
+    """A hidden view with a column stride, and sentinel ids (the general sort path)."""
+    _, launch = expert_sort_kernel(16, rows=(24, 3, torch.bfloat16))
+    ids = routed_ids(20, 3, 16, seed=9)
+    ids[::4] = 16
+    hidden = torch.randn(20, 48).to(torch.bfloat16)[:, ::2]
+    sorted_ids, perm, offsets, rows, inverse = launch(ids, hidden)
+    expected = reference(ids, 16)
+    assert_same((sorted_ids, perm, offsets, inverse), expected)
+    assert torch.equal(rows, hidden[expected[1] // 3])
 
 
 def test_ties_keep_the_order_of_their_positions():
@@ -189,8 +226,34 @@ def test_validation_accepts_another_order_of_equal_ids():
     module = GroupedExperts(8)
     result = fuser.check(module, inputs)
     assert result.ok, result.problems
-    assert [c.pattern for c in result.report.chains if c.pattern == "expert_sort"] == ["expert_sort"], result.report.text()
-    assert not [r for r in result.report.rejected if r.pattern == "expert_sort"], result.report.text()
+    assert [c.pattern for c in result.report.chains if c.pattern.startswith("expert_sort")] == ["expert_sort_rows"], result.report.text()
+    assert not [r for r in result.report.rejected if r.pattern.startswith("expert_sort")], result.report.text()
+
+
+def test_validation_still_catches_rows_out_of_their_pairs_places(monkeypatch):
+    """Rows are compared in the order the permutation's ties are put in, not up to any order:
+    a kernel that swaps the rows of two pairs of different tokens is rejected."""
+    real_emit = fuser.api.emit
+
+    def emit_swapping_rows(spec):
+        path, launch = real_emit(spec)
+        if spec.pattern != "expert_sort_rows":
+            return path, launch
+
+        def swapped(*args):
+            outputs = list(launch(*args))
+            rows = outputs[3].clone()
+            rows[[0, -1]] = rows[[-1, 0]]
+            outputs[3] = rows
+            return tuple(outputs)
+
+        return path, swapped
+
+    monkeypatch.setattr(fuser.api, "emit", emit_swapping_rows)
+    report = fuser.explain(GroupedExperts(8), _experts_inputs(64, 2, 8, seed=5))
+    assert not [c for c in report.chains if c.pattern == "expert_sort_rows"], report.text()
+    (rejection,) = [r for r in report.rejected if r.pattern == "expert_sort_rows"]
+    assert rejection.category == "validation", rejection
 
 
 def test_validation_still_catches_a_wrong_permutation():
@@ -214,10 +277,11 @@ def test_unmatched_histc_range_stays_eager():
             return hidden_states[perm // 2] * 2, torch.cumsum(counts, dim=0, dtype=torch.int32)
 
     report = fuser.explain(OtherRange(8), _experts_inputs(5, 2, 8, seed=6))
-    assert not [c for c in report.chains if c.pattern == "expert_sort"]
+    assert not [c for c in report.chains if c.pattern.startswith("expert_sort")]
     assert {"sort", "histc", "cumsum"} <= {u.op for u in report.unfused}
-    (rejection,) = [r for r in report.rejected if r.pattern == "expert_sort"]
-    assert "constraint" in rejection.reason and "top=8" in rejection.reason
+    for name in ("expert_sort", "expert_sort_rows"):
+        (rejection,) = [r for r in report.rejected if r.pattern == name]
+        assert "constraint" in rejection.reason and "top=8" in rejection.reason
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe_proj", "mixtral_proj", "gpt_oss_proj", "deepseek_v3_proj"])
@@ -226,11 +290,13 @@ def test_transformers_moe_layers_fuse_the_expert_sort(name):
     result = fuser.check(layer, args, example_kwargs=kwargs)
     assert result.ok, result.problems
     report = result.report
-    (chain,) = [c for c in report.chains if c.pattern == "expert_sort"]
-    # sort, the histc input's cast, histc, cumsum, and the inverse permutation's arange and index write
-    assert chain.launches_replaced == 6, report.text()
+    (chain,) = [c for c in report.chains if c.pattern.startswith("expert_sort")]
+    # sort, the histc input's cast, histc, cumsum, the inverse permutation's arange and index
+    # write, and the hidden rows' perm // k and gather
+    assert chain.pattern == "expert_sort_rows" and chain.launches_replaced == 8, report.text()
+    assert chain.params["k"] == zoo.MODELS[name.removesuffix("_proj")]["tiny"]["num_experts_per_tok"], chain
     left = {u.op for u in report.unfused}
-    assert not left & {"sort", "histc", "cumsum", "cast", "inverse_permutation"}, report.text()
+    assert not left & {"sort", "histc", "cumsum", "cast", "inverse_permutation", "floordiv", "gather_rows"}, report.text()
 
 
 # --- on the GPU: compiled Triton, and CUDA's .int() spelling --------------------------------------
@@ -252,4 +318,17 @@ def test_cuda_spelling_of_the_histc_input_is_matched():
     module = GroupedExperts(8)
     result = fuser.check(module, _experts_inputs(64, 2, 8, seed=7, device="cuda"))
     assert result.ok, result.problems
-    assert [c.pattern for c in result.report.chains if c.pattern == "expert_sort"] == ["expert_sort"], result.report.text()
+    assert [c.pattern for c in result.report.chains if c.pattern.startswith("expert_sort")] == ["expert_sort_rows"], result.report.text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ROW_DTYPES, ids=str)
+@pytest.mark.parametrize("T,k,E,width", ROW_SIZES + [(512, 8, 128, 2048)], ids=lambda v: str(v))
+def test_compiled_rows_kernel_matches_the_sort_and_the_gather(T, k, E, width, dtype):
+    _, launch = expert_sort_kernel(E, rows=(width, k, dtype))
+    ids = routed_ids(T, k, E, seed=T + k + E + width).cuda()
+    hidden = torch.randn(T, width, device="cuda").to(dtype)
+    sorted_ids, perm, offsets, rows, inverse = launch(ids, hidden)
+    expected = reference(ids, E)
+    assert_same((sorted_ids, perm, offsets, inverse), expected)
+    assert torch.equal(rows, hidden[expected[1] // k])

@@ -87,6 +87,7 @@ GOLDEN_TESTS = {
     "mhc_sinkhorn": "test_mhc_sinkhorn",
     "mhc_sinkhorn_rms": "test_mhc_sinkhorn_rms",
     "expert_sort": "test_expert_sort.py::test_kernel_matches_a_stable_sort_and_histc",  # integer ids: its own file
+    "expert_sort_rows": "test_expert_sort.py::test_rows_kernel_matches_the_sort_and_the_gather",
 }
 
 

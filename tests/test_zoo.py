@@ -15,8 +15,8 @@ from examples.zoo import layers as zoo
 
 # transformers' grouped_mm experts (integrations/moe.py): the sort by expert, the expert
 # offsets (histc of the sorted ids, cast first, + cumsum) and the inverse permutation
-# (``inv[perm] = arange``) are one kernel, the hidden rows of the sorted pairs (hidden[perm // k])
-# another (EXPERT_SORT below); the routing weights' gather by the permutation, the weighting,
+# (``inv[perm] = arange``) are one kernel that also copies the hidden rows of the sorted pairs
+# (hidden[perm // k]: EXPERT_SORT below); the routing weights' gather by the permutation, the weighting,
 # the gather back by the inverse permutation and the sum over the k experts join the kernel
 # after the down GEMM. Nothing of the routing is left eager.
 ROUTING: dict = {}
@@ -33,11 +33,11 @@ DENSE_PROJ = [
 ]
 QK_NORM_ROPE = ["q_norm and k_norm with their RoPE (one kernel: both read the same cos/sin)"]
 ROPE = ["RoPE of q and k (one kernel)"]
-# The expert sort of every grouped_mm MoE layer (patterns/expert_sort.py): sort, the histc
-# input's cast, histc, cumsum and the inverse permutation in one launch.
+# The expert sort of every grouped_mm MoE layer (patterns/expert_sort_rows.py): sort, the
+# histc input's cast, histc, cumsum, the inverse permutation and the gathered hidden rows in one
+# launch.
 EXPERT_SORT = [
-    "experts: sorted ids, permutation, offsets and inverse permutation (one kernel)",
-    "experts: the hidden rows of the sorted pairs, hidden[perm // k] (one kernel)",
+    "experts: sorted ids, permutation, offsets, inverse permutation and hidden[perm // k] (one kernel)",
 ]
 MOE_PROJ = [
     "input_layernorm",
