@@ -52,11 +52,11 @@ def probe(name: str, tokens: tuple[int, ...]) -> list[dict]:
                 for T in tokens:
                     times[f"{tile}/{warps}/{T}"] = round(time_launches_us(launch, _rows(inputs, spec.inputs, T)), 3)
         ops = sorted({fused.cops[n].op for n in kernel.region.nodes})
-        found.append(dict(layer=name, kernel=kernel.name, ops=ops, tile=program.block_last,
+        found.append(dict(layer=name, kernel=kernel.path.stem, ops=ops, tile=program.block_last,
                           warps=spec.num_warps, last=program.last, us=times))  # fmt: skip
         best = {T: min((v, k) for k, v in times.items() if k.endswith(f"/{T}")) for T in tokens}
         given = {T: times.get(f"{program.block_last}/{spec.num_warps}/{T}") for T in tokens}
-        print(f"{name} {kernel.name} ({program.block_last}/{spec.num_warps}): given {given}; best {best}", flush=True)
+        print(f"{name} {kernel.path.stem} ({program.block_last}/{spec.num_warps}): given {given}; best {best}", flush=True)
     return found
 
 

@@ -30,7 +30,8 @@ def expert_sort_kernel(num_experts: int, outputs=OUTPUTS, rows: tuple[int, int, 
     if rows is not None:
         width, k, dtype = rows
         inputs.append(Operand("in1", "hidden", (width,), dtype, True))
-        operands.insert(3, Operand("rows", "rows", (width,), dtype, True))
+        at = len(operands) - ("inverse" in outputs)  # the pattern's order: ..., offsets, rows, inverse
+        operands.insert(at, Operand("rows", "rows", (width,), dtype, True))
         params["k"] = k
     spec = KernelSpec("expert_sort", "expert_sort_rows" if rows else "expert_sort", inputs, operands, params)
     return emit(spec)
@@ -79,7 +80,8 @@ def test_kernel_matches_a_stable_sort_and_histc(T, k, E):
 
 # (T, k, E, width): odd widths, one column block and several; few ids (the copy spread over
 # many programs) and many (a program's share of the columns several blocks).
-ROW_SIZES = [(1, 8, 256, 300), (3, 2, 60, 1), (5, 4, 32, 129), (64, 8, 128, 72), (512, 2, 8, 200)]
+# Up to COPY_IDS ids the sort kernel copies the rows, above it a kernel of its own.
+ROW_SIZES = [(1, 8, 256, 300), (3, 2, 60, 1), (5, 4, 32, 129), (64, 8, 128, 72), (512, 2, 8, 200), (300, 4, 16, 1030)]
 ROW_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -93,6 +95,25 @@ def test_rows_kernel_matches_the_sort_and_the_gather(T, k, E, width, dtype):
     sorted_ids, perm, offsets, rows, inverse = launch(ids, hidden)
     assert_same((sorted_ids, perm, offsets, inverse), reference(ids, E))
     assert rows.dtype == dtype and torch.equal(rows, hidden[reference(ids, E)[1] // k])
+
+
+def test_rows_kernel_copies_in_the_sort_up_to_copy_ids_and_after_it_above():
+    path, _ = expert_sort_kernel(8, rows=(16, 2, torch.float32))
+    module = _module_of(path)
+    assert [(T, k) for T, k, _, _ in ROW_SIZES if T * k > module.COPY_IDS] and [
+        (T, k) for T, k, _, _ in ROW_SIZES if T * k <= module.COPY_IDS
+    ], "ROW_SIZES covers both paths"
+
+
+def test_rows_when_nobody_reads_the_permutation():
+    _, launch = expert_sort_kernel(8, outputs=("offsets", "inverse"), rows=(40, 2, torch.bfloat16))
+    for T in (7, 700):  # both copies
+        ids = routed_ids(T, 2, 8, seed=T)
+        hidden = torch.randn(T, 40).to(torch.bfloat16)
+        offsets, rows, inverse = launch(ids, hidden)
+        expected = reference(ids, 8)
+        assert torch.equal(offsets, expected[2]) and torch.equal(inverse, expected[3])
+        assert torch.equal(rows, hidden[expected[1] // 2])
 
 
 def test_rows_of_a_strided_hidden_and_of_out_of_range_ids():
