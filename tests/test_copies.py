@@ -65,3 +65,23 @@ def test_a_permuted_view_flattened_is_copied_bit_exact(dtype, a, b):
         with torch.no_grad():
             assert torch.equal(module(z), z.transpose(1, 2).reshape(T, -1))
     fuser.restore(module)
+
+
+def test_the_copy_kernel_is_a_view_where_one_fits_as_reshape_is():
+    """At a shape where the view fits (here a contiguous source), reshape makes no copy, and
+    neither does the kernel's launcher: it returns the view, sharing the source's memory."""
+    import importlib.util
+
+    module = Flattened()
+    report = fuser.apply(module, (torch.randn(4, 3, 5),))
+    (chain,) = report.chains
+    fuser.restore(module)
+    spec = importlib.util.spec_from_file_location("copy_under_test", chain.path)
+    kernel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel)
+    strided = torch.randn(6, 3, 5).transpose(1, 2)
+    contiguous = strided.contiguous()
+    for x in (strided, contiguous):
+        (got,) = kernel.launch(x)
+        assert torch.equal(got, x.reshape(6, 15))
+        assert (got.data_ptr() == x.data_ptr()) == (x is contiguous)
