@@ -44,6 +44,7 @@ class Report:
     unfused: list[Unfused] = field(default_factory=list)
     precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
+    state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
@@ -83,6 +84,9 @@ class Report:
         if self.literals:
             values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
             lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]
+        if self.state_reads:
+            values = ", ".join(f"{k}={v}" for k, v in self.state_reads.items())
+            lines += ["", f"read off the call's state as traced (a call where one differs runs eager): {values}"]
         launches = sum(u.launches for u in self.unfused)
         lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
         for u in self.unfused:

@@ -17,6 +17,7 @@ type). :class:`CallSpec` is that mapping, built from the example call:
 from __future__ import annotations
 
 import copy
+import enum
 import inspect
 import itertools
 import re
@@ -130,6 +131,62 @@ class CallSpec:
             else:
                 args.append(value)
         return tuple(args), kwargs
+
+
+@dataclass(frozen=True)
+class StateRead:
+    """An attribute of a state object that the traced code read (``forward_batch.forward_mode``)
+    and the trace took as it was: a value is baked in (the branch on it was taken once), a
+    tensor's shape is static in the graph. The guard compares it at every call; a call where it
+    differs runs the module's own forward."""
+
+    state: str  # the state placeholder's name
+    path: tuple[str, ...]  # attribute names from the state object
+    value: Any  # the value read (compared: by_value), or for a tensor (dtype, device, shape)
+    tensor: bool = False
+
+    def label(self) -> str:
+        return ".".join((self.state, *self.path))
+
+    def differs(self, state: Any) -> str | None:
+        """None when ``state`` (the call's object) holds the same value at the path, else why not."""
+        now = state
+        for name in self.path:
+            now = getattr(now, name, _MISSING)
+            if now is _MISSING:
+                return f"{self.label()} is missing"
+        if self.tensor:
+            dtype, device, shape = self.value
+            if not isinstance(now, torch.Tensor):
+                return f"{self.label()} is {_describe(now)}, traced as a tensor"
+            if (now.dtype, now.device, tuple(now.shape)) != self.value:
+                return f"{self.label()} is {now.dtype} {list(now.shape)} on {now.device}, traced as {dtype} {list(shape)} on {device}"
+            return None
+        return None if same_value(now, self.value) else f"{self.label()} is {now!r}, traced with {self.value!r}"
+
+
+_MISSING = object()
+
+
+def same_value(now: Any, then: Any) -> bool:
+    """Values the guard takes as the same: equal by value (numbers, strings, enums, None, their
+    tuples and lists), anything else the same object."""
+    if now is then:
+        return True
+    if type(now) is not type(then):
+        return False
+    if isinstance(then, _BY_VALUE + (enum.Enum,)):
+        return now == then
+    if isinstance(then, (tuple, list)):
+        return len(now) == len(then) and all(same_value(a, b) for a, b in zip(now, then))
+    return False
+
+
+def read_as_value(value: Any) -> bool:
+    """Is a state attribute's value one the trace bakes in (compared by value at every call)?"""
+    if isinstance(value, _BY_VALUE + (enum.Enum,)):
+        return True
+    return isinstance(value, (tuple, list)) and len(value) <= 64 and all(read_as_value(v) for v in value)
 
 
 def is_state(value: Any) -> bool:

@@ -229,6 +229,7 @@ class Guard:
     call: CallSpec  # the traced call's structure and non-tensor values
     traced: list[tuple[str, Any]]  # (graph input name, (dtype, device, sizes)) per tensor
     predicate: Callable[..., bool] | None = None
+    state_reads: tuple = ()  # what the trace read off state objects (fuser.signature.StateRead)
 
     @classmethod
     def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None) -> "Guard":
@@ -240,7 +241,7 @@ class Guard:
             batch = traced.batch_inputs.get(name)
             sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
             specs.append((name, (value.dtype, value.device, sizes)))
-        return cls(traced.call, specs, predicate)
+        return cls(traced.call, specs, predicate, tuple(traced.state_reads))
 
     def why_not(self, args, kwargs) -> str | None:
         """None when the fused forward applies to this call, else the reason it does not."""
@@ -251,11 +252,21 @@ class Guard:
         tensors, reason = self.call.flatten(args, kwargs)
         if reason is None:
             reason = self._mismatch(tensors)
+        if reason is None and self.state_reads:
+            reason = self._state_changed(tensors)
         if reason is None and self.predicate is not None and not self.predicate(*args, **kwargs):
             reason = "the user guard declined"
         if reason is not None:
             return None, reason
         return tensors, None
+
+    def _state_changed(self, tensors) -> str | None:
+        states = {name: value for (name, spec), value in zip(self.traced, tensors) if spec is None}
+        for read in self.state_reads:
+            why = read.differs(states[read.state])
+            if why is not None:
+                return why
+        return None
 
     def _mismatch(self, tensors) -> str | None:
         for (name, spec), value in zip(self.traced, tensors):
@@ -326,7 +337,9 @@ def _wants_grad(module: torch.nn.Module, tensors) -> bool:
     (after grad mode): requires_grad may change after apply."""
     if not torch.is_grad_enabled():
         return False
-    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters())
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors) or any(
+        p.requires_grad for p in module.parameters()
+    )  # state objects (a KV cache, a batch's metadata) are among them: their tensors are not inputs
 
 
 class GuardedForward:

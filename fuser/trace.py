@@ -53,7 +53,7 @@ from fuser.leaves import (
     patched_leaf_functions,
 )
 from fuser.opaque import is_opaque
-from fuser.signature import CallSpec
+from fuser.signature import CallSpec, StateRead, read_as_value
 from fuser.where import TraceRefused, calling_line, error_location, is_library_file, refuse
 
 # Module types kept opaque whatever the user says: the heavy ops of a decode layer.
@@ -79,6 +79,9 @@ class Traced:
     # dataclass config), read by the graph as attributes (fx's ``_tensor_constant<i>``): held
     # here, not on the module, until the fused forward is installed with them
     constants: dict[str, Any] = field(default_factory=dict)
+    # what the traced code read off its state objects (``forward_batch.forward_mode``): the
+    # guard compares each at every call
+    state_reads: list[StateRead] = field(default_factory=list)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
@@ -209,6 +212,8 @@ class ShadowProxy(fx.Proxy):
             raise AttributeError(name)  # private probes (e.g. Parameter's _is_param)
         value = self.shadow[0] if "shadow" in self.__dict__ else None
         attr = getattr(value, name, None)
+        if self.node in self.tracer.state_paths and hasattr(value, name) and not callable(attr):
+            return self.tracer.read_state(self, name, attr)
         if callable(attr) or attr is None:
             return super().__getattr__(name)  # a method: an fx Attribute, called later
         return self.tracer.create_proxy("call_function", builtins.getattr, (self, name), {})
@@ -266,6 +271,9 @@ class ShadowTracer(fx.Tracer):
         self._eager_depth = 0
         self._attr_names: dict[int, str] = {}
         self._states: frozenset = frozenset()  # placeholders that are state (fuser.signature)
+        # state placeholders and the objects read off them -> (state name, attribute path)
+        self.state_paths: dict[fx.Node, tuple[str, tuple[str, ...]]] = {}
+        self.state_reads: dict[tuple[str, tuple[str, ...]], StateRead] = {}
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
@@ -316,6 +324,24 @@ class ShadowTracer(fx.Tracer):
             parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
         return parameter_proxy_cache[name]
 
+    def read_state(self, proxy: "ShadowProxy", name: str, value: Any):
+        """``state.name`` in traced code. A value (a mode, a flag, a count, None) is taken as it
+        is, so a branch on it traces; a tensor is read at run time from the call's object, its
+        shape as traced; another object is read at run time too, and what is read off it is a
+        state read in turn. Each value and tensor read is compared by the guard at every call."""
+        state, path = self.state_paths[proxy.node]
+        path = (*path, name)
+        if read_as_value(value):
+            self.state_reads[state, path] = StateRead(state, path, value)
+            return value
+        read = self.create_proxy("call_function", builtins.getattr, (proxy, name), {})
+        if isinstance(value, torch.Tensor):
+            spec = (value.dtype, value.device, tuple(value.shape))
+            self.state_reads[state, path] = StateRead(state, path, spec, tensor=True)
+        else:
+            self.state_paths[read.node] = (state, path)
+        return read
+
     def note(self, leaf: AutomaticLeaf) -> None:
         """Record a call kept opaque by itself (once per callee and line)."""
         if not any(a.name == leaf.name and a.where == leaf.where for a in self.noted):
@@ -336,13 +362,17 @@ class ShadowTracer(fx.Tracer):
             # A parameter the example does not pass is baked at its default (fx's concrete_args).
             default = args[0] if args else None
             shadow = self._placeholder_values.get(target, (default, default))
+            if target in self._states:
+                self.state_paths[proxy.node] = (target, ())
         elif state is not None:
             # A call given state (``past_key_values.update(k, v, i)``) is a leaf. The state is
             # one object of the example's batch: the call runs once, and its result at T+1 is
-            # its result at T grown where its tensor arguments grow.
+            # its result at T grown where its tensor arguments grow. (An attribute read off it
+            # is one too, not worth a line of the report: fuser.signature.StateRead.)
             proxy.node.meta[LEAF] = True
-            what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
-            self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
+            if target is not builtins.getattr:
+                what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
+                self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
             at_t = self._eager(kind, target, args, kwargs, 0)
             shadow = (at_t, _grown_like(at_t, args, kwargs))
         else:
@@ -354,7 +384,7 @@ class ShadowTracer(fx.Tracer):
     def _state_taken(self, args, kwargs) -> str | None:
         """The name of the state placeholder among a call's arguments, if any."""
         found = []
-        map_aggregate((args, kwargs), lambda a: found.append(a.node.target) if _is_state_proxy(a, self._states) else None)
+        map_aggregate((args, kwargs), lambda a: found.append(self.state_paths[a.node][0]) if _is_state_proxy(a, self.state_paths) else None)
         return found[0] if found else None
 
     def _eager(self, kind, target, args, kwargs, which: int):
@@ -506,8 +536,8 @@ def forward_of(root) -> Callable:
     return root.forward if isinstance(root, torch.nn.Module) else root
 
 
-def _is_state_proxy(a, states) -> bool:
-    return isinstance(a, fx.Proxy) and a.node.op == "placeholder" and a.node.target in states
+def _is_state_proxy(a, state_paths) -> bool:
+    return isinstance(a, fx.Proxy) and a.node in state_paths
 
 
 def _grown_like(value: Any, args, kwargs) -> Any:
@@ -618,6 +648,7 @@ def trace(
         call=call,
         automatic_leaves=automatic + tracer.noted,
         constants=constants,
+        state_reads=list(tracer.state_reads.values()),
     )
 
 
