@@ -48,8 +48,11 @@ def rewrite_graph(
     constants = constants or {}
     at_position: dict[fx.Node, list] = {}
     covered = set()
+    # A kernel placed among the inputs runs where the body starts, after the attribute reads.
+    body = next((n for n in graph.nodes if n.op != "placeholder"), None)
     for i, region in enumerate(regions):
-        at_position.setdefault(region.position, []).append((i, region))
+        position = body if region.position.op == "placeholder" else region.position
+        at_position.setdefault(position, []).append((i, region))
         covered |= region.covered
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -97,6 +97,13 @@ UNSEEN = {
     "granitemoe": dict(module="granitemoe", prefix="GraniteMoe", tiny=_MOE),
     "hunyuan_v1_moe": dict(module="hunyuan_v1_moe", prefix="HunYuanMoEV1", tiny=_MOE),
     "qwen2_moe": dict(module="qwen2_moe", prefix="Qwen2Moe", tiny=dict(_MOE, shared_expert_intermediate_size=48)),
+    "cohere": dict(module="cohere", prefix="Cohere", tiny=_DENSE),
+    "gemma2": dict(module="gemma2", prefix="Gemma2", tiny=_DENSE),
+    "minimax": dict(module="minimax", prefix="MiniMax", tiny=_MOE),
+    "glm4_moe": dict(module="glm4_moe", prefix="Glm4Moe", tiny=_MOE),
+    "ernie4_5_moe": dict(module="ernie4_5_moe", prefix="Ernie4_5_Moe", tiny=_MOE),
+    "granitemoeshared": dict(module="granitemoeshared", prefix="GraniteMoeShared", tiny=dict(_MOE, shared_intermediate_size=48)),
+    "flex_olmo": dict(module="flex_olmo", prefix="FlexOlmo", tiny=_MOE),
 }
 
 
