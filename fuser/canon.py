@@ -85,6 +85,8 @@ _PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
 # What a kernel computes on complex64 values (RoPE needs no more).
 _COMPLEX_OPS = {"mul", "add", "sub", "neg", "cat"}
 _MAY_COPY = {"reshape", "flatten", "reshape_as"}  # views when the layout allows, else copies
+# Views that keep the elements in their row-major order (a transpose or permute does not).
+_REORDER_FREE = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 _TOPK_PARTS = {"values": "topk_values", 0: "topk_values", "indices": "topk_indices", 1: "topk_indices"}
 _DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
 _CAST_METHODS = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "bool"}
@@ -349,7 +351,8 @@ class Canonicalizer:
             return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
         if op_name(node) in ("expand", "expand_as"):
             return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
-        if out.numel() == inp.numel() and _register_reshape(self.static_shape(src), shape):
+        reshapes = op_name(node) in _REORDER_FREE  # a transpose of the same sizes is no reshape
+        if reshapes and out.numel() == inp.numel() and _register_reshape(self.static_shape(src), shape):
             return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
         group = self._row_group(src, node)
         if group:  # gathered rows regrouped per token: out[t, j] = src[t * group + j]

@@ -286,6 +286,25 @@ def test_a_transposed_view_of_a_fused_square_matrix_keeps_its_order(dtype):
     assert result.report.chains and not result.report.unfused, result.report.text()
 
 
+class TransposedDecay(nn.Module):
+    """transformers' Qwen3-Next gated delta rule: ``(k * decay.exp()[..., None]).transpose(-1,
+    -2) @ v``, a computed [64, 128] block read transposed: sizes a reshape in registers could
+    also give, in another order."""
+
+    def forward(self, k, g, v):
+        return (k * g.exp()[..., None]).transpose(-1, -2) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transposed_view_of_a_fused_block_is_no_reshape(dtype):
+    k, g, v = torch.randn(3, 64, 128, dtype=dtype), -torch.rand(3, 64, dtype=dtype), torch.randn(3, 64, 16, dtype=dtype)
+    result = fuser.check(TransposedDecay(), (k, g, v))
+    assert result.ok, result.problems
+    report = result.report
+    assert not report.rejected and [c.pattern for c in report.chains] == ["generic"], report.text()
+    assert {"exp", "mul"} <= {n.rstrip("_0123456789") for n in report.chains[0].nodes}, report.text()
+
+
 class InterleavedRope(nn.Module):
     """transformers' DeepSeek-V4 RoPE on the trailing 64 channels of 512-wide heads, then the
     heads moved behind the (single) position: ``cat([nope, rotated], -1).transpose(1, 2)``."""
