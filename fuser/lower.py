@@ -142,6 +142,7 @@ class RowProgram:
     num_warps: int = 4
     numel: int = 1  # padded elements of the largest block
     helpers: tuple[str, ...] = ()  # jit functions the body calls (templates/_row_program.py.jinja)
+    tile_scales: tuple[int, ...] = ()  # wider tiles the body reads (``tile2``: every other column's source)
 
 
 def row_source(inputs: list[Operand]) -> str:
@@ -305,6 +306,7 @@ class _Lowerer:
         value it is (None: the value is broadcast along it).
         """
         self.tile_axis: dict[fx.Node, int | None] = {}
+        self.tile_scale: dict[fx.Node, int] = {}  # how many times the tile a value's tiled axis is
         self._leading = False
         outs = [self.block_shape(n) for n in self.outputs]
         if not all(outs):
@@ -326,28 +328,45 @@ class _Lowerer:
         for node in self.nodes:
             cop = self.cops[node]
             regrouped = cop.op == "reshape" and _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node)) is None
-            whole = cop.op in ops.WHOLE_BLOCK and not self._gathered_per_column(node)
+            whole = cop.op in ops.WHOLE_BLOCK and not self._gathered_per_column(node) and not self._halving(node)
             last_axis_only = whole or regrouped or _is_complex(self.traced.value(node))
             if last_axis_only and not leading:
                 return 0
         axis: dict[fx.Node, int | None] = {n: 0 if leading else len(shape) - 1 for n, shape in zip(self.outputs, outs)}
+        scale: dict[fx.Node, int] = {}
         for node in reversed(self.nodes):
             mine = axis.setdefault(node, None)
             cop = self.cops[node]
+            wide = scale.setdefault(node, 1)
             for arg in cop.args:
                 if not isinstance(arg, fx.Node):
                     continue
-                theirs = self._arg_axis(node, cop, arg, mine, size)
+                theirs = self._arg_axis(node, cop, arg, mine, size * wide)
                 if theirs == "conflict" or axis.setdefault(arg, theirs) != theirs:
                     return 0
-        self.tile_axis = axis
+                if theirs is not None and scale.setdefault(arg, wide * (2 if self._halving(node) else 1)) != wide * (
+                    2 if self._halving(node) else 1
+                ):
+                    return 0  # read at two widths
+        self.tile_axis, self.tile_scale = axis, scale
         return size
+
+    def _halving(self, node: fx.Node) -> bool:
+        """Every other column of the last axis (``x[..., ::2]``, ``x[..., 1::2]``): a tile of
+        the result reads a tile twice as wide of its source (GPT-OSS's interleaved gate and up)."""
+        cop = self.cops[node]
+        if cop.op != "slice" or cop.attr("step", 1) != 2:
+            return False
+        src, out = self.block_shape(cop.args[0]), self.block_shape(node)
+        return bool(src) and len(src) == len(out) and src[-1] == 2 * out[-1] and cop.attr("start") in (0, 1)
 
     def _gathered_per_column(self, node: fx.Node) -> bool:
         """Rows gathered per token (``group_rows``) and the row gathers computed at them: a
         column of the result reads the same column of each row, so the columns may be tiled."""
-        op = self.cops[node].op
-        return op == "group_rows" or (op == "gather_rows" and node in self.regathered)
+        cop = self.cops[node]
+        if cop.op == "gather_rows":  # one row per token (a bias by expert id), or regathered
+            return node in self.regathered or not self.block_shape(cop.args[1])
+        return cop.op == "group_rows"
 
     def _arg_axis(self, node, cop: COp, arg: fx.Node, mine, size):
         """Which axis of ``arg`` feeds the tiled axis ``mine`` of ``node`` (or "conflict")."""
@@ -359,6 +378,8 @@ class _Lowerer:
                 return None  # the index: one position per row
             k = mine - 1 if cop.op == "group_rows" else mine + len(src) - len(shape)  # past [k], or a table's rows
             return k if 0 <= k < len(src) and src[k] == size else "conflict"
+        if self._halving(node):
+            return len(src) - 1 if mine == len(shape) - 1 and src[-1] == 2 * size else "conflict"
         kind = ops.kind(cop.op)
         if kind in (ops.REDUCTION, ops.NORMALIZATION) and arg is cop.args[0]:
             reduced = self._block_axes(cop)
@@ -405,15 +426,21 @@ class _Lowerer:
     def axis_index(self, node: fx.Node, axis: int, rank: int) -> str:
         """Index along ``axis`` of ``node``'s rank-``rank`` block, broadcastable against others."""
         size = self.block_shape(node)[axis]
-        base = "tile" if self.is_tiled(node, axis) else f"tl.arange(0, {pow2(size)})"
+        base = self.tile_name(node) if self.is_tiled(node, axis) else f"tl.arange(0, {pow2(size)})"
         if rank == 1:
             return base
         expand = ", ".join(":" if i == axis else "None" for i in range(rank))
         return f"{base}[{expand}]"
 
+    def tile_name(self, node: fx.Node) -> str:
+        """The index of ``node``'s tiled axis: ``tile``, or ``tile2`` for a tile twice as wide."""
+        scale = self.tile_scale.get(node, 1)
+        return "tile" if scale == 1 else f"tile{scale}"
+
     def padded(self, node: fx.Node) -> tuple[int, ...]:
         shape = self.block_shape(node)
-        return tuple(self.block_last if self.is_tiled(node, i) else pow2(s) for i, s in enumerate(shape))
+        wide = self.block_last * self.tile_scale.get(node, 1)
+        return tuple(wide if self.is_tiled(node, i) else pow2(s) for i, s in enumerate(shape))
 
     def mask(self, node: fx.Node) -> str | None:
         shape = self.block_shape(node)
@@ -1015,8 +1042,9 @@ class _Lowerer:
         if self.tiled:
             others = max(
                 math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))
+                * self.tile_scale.get(n, 1)
                 for n in values
-            )
+            )  # fmt: skip: a tile twice as wide counts twice
             self.block_last = self.tile_width(others)
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
         self._operands = ins
@@ -1036,7 +1064,8 @@ class _Lowerer:
         leading = self.tiled and self._leading
         warps = heuristic_warps(numel, bool(names & ops.REDUCING), self.tiled, leading, names)
         helpers = tuple(sorted(self.helpers))
-        return RowProgram(ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps, numel, helpers)
+        scales = tuple(sorted({s for s in self.tile_scale.values() if s > 1})) if self.tiled else ()
+        return RowProgram(ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps, numel, helpers, scales)
 
     def tile_width(self, others: int) -> int:
         """Elements of the tiled axis a program takes, when each of them comes with ``others``
@@ -1115,7 +1144,7 @@ class _AtRows:
         masks = [f"({picks} < {self.k})"]
         for axis, size in enumerate(shape):
             tiled = self.lowerer.is_tiled(node, axis)
-            index = _expand("tile" if tiled else f"tl.arange(0, {pow2(size)})", axis + 1, rank)
+            index = _expand(self.lowerer.tile_name(node) if tiled else f"tl.arange(0, {pow2(size)})", axis + 1, rank)
             terms.append(f"{index} * {operand.name}_stride_{axis + first}")
             if tiled or pow2(size) != size:
                 masks.append(f"({index} < {size})")

@@ -248,6 +248,34 @@ def test_layout_and_constants(case, dtype, width):
     fuse_and_compare(Residual(fn), residual(dtype, width, shape=shape), names)
 
 
+class InterleavedGateUp(nn.Module):
+    """GPT-OSS's experts' activation (transformers' ``GptOssExperts._apply_gate``): gate and up
+    interleaved column by column in a GEMM's output, the expert's bias gathered per row."""
+
+    def __init__(self, experts: int, width: int, dtype):
+        super().__init__()
+        self.bias = nn.Parameter(randn(gen(width), experts, 2 * width, dtype=dtype, scale=0.5))
+
+    def forward(self, gate_up, expert_ids):
+        gate_up = gate_up + self.bias[expert_ids]
+        gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(-7.0, 7.0)
+        return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
+@pytest.mark.parametrize("width", [37, 1100], ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_other_column_of_an_input_is_read_a_tile_twice_as_wide(dtype, width):
+    """The result's columns are split across programs; each reads the source's columns twice
+    as wide (``tile2``), and the bias rows gathered by id the same way."""
+    module = InterleavedGateUp(5, width, dtype)
+    report = fuse_and_compare(
+        module, lambda T: (randn(gen(T), T, 2 * width, dtype=dtype, scale=4.0), torch.arange(T) % 5), ["getitem", "sigmoid"]
+    )
+    (chain,) = report.chains
+    source = open(chain.path).read()
+    assert "tile2 = " in source and "BLOCK_TILE: tl.constexpr" in source, source
+
+
 class WrittenIntoNewEmpty(nn.Module):
     def forward(self, x, r):
         out = x.new_empty(x.shape)
