@@ -261,11 +261,6 @@ def _tie_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor
     return torch.argsort(run * p.shape[-1] + p, dim=-1, stable=True).movedim(-1, dim)
 
 
-def _ties_in_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor:
-    """``perm`` with the entries under each run of equal ``keys`` sorted (:func:`_tie_order`)."""
-    return perm.take_along_dim(_tie_order(perm, keys, dim), dim)
-
-
 # Triton's CPU interpreter swaps triton.language functions in and out around every launch,
 # so two threads must not run interpreted kernels at once (compiled GPU kernels may).
 _INTERPRETER_LOCK = threading.Lock()

@@ -338,15 +338,14 @@ class _Lowerer:
             mine = axis.setdefault(node, None)
             cop = self.cops[node]
             wide = scale.setdefault(node, 1)
+            source_wide = wide * (2 if self._halving(node) else 1)
             for arg in cop.args:
                 if not isinstance(arg, fx.Node):
                     continue
                 theirs = self._arg_axis(node, cop, arg, mine, size * wide)
                 if theirs == "conflict" or axis.setdefault(arg, theirs) != theirs:
                     return 0
-                if theirs is not None and scale.setdefault(arg, wide * (2 if self._halving(node) else 1)) != wide * (
-                    2 if self._halving(node) else 1
-                ):
+                if theirs is not None and scale.setdefault(arg, source_wide) != source_wide:
                     return 0  # read at two widths
         self.tile_axis, self.tile_scale = axis, scale
         return size
