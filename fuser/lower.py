@@ -1,7 +1,8 @@
 """lower: turn a region of canonical ops into the body of a Triton *row program*.
 
 A row program runs one program per token row (and per tile of the last axis when no op
-mixes values along it, else per tile of the first axis when none mixes values along that).
+mixes values along it, else per tile of the first axis when none mixes values along that:
+:mod:`fuser.tiling`).
 Each value lives in registers as a block: its shape without the token dim, each dim padded to
 a power of two. Inputs are loaded through their runtime strides
 (so views, slices and non-contiguous tensors need no copy); values without a token dim
@@ -24,6 +25,7 @@ import torch.fx as fx
 
 from fuser import ops
 from fuser.canon import COMPUTE, UNIT_VIEW, COp
+from fuser.tiling import find_tiling, inserted_axes
 from fuser.trace import Traced
 
 
@@ -70,19 +72,6 @@ def rounded(expr: str, dtype: torch.dtype, source: torch.dtype = torch.float32) 
     if dtype == torch.float8_e4m3fn:
         return f"to_e4m3({rounded(expr, torch.float32, source)})"
     return f"({expr}).to({TL_DTYPES.get(dtype, 'tl.float32')})"
-
-
-def _inserted_axes(src: tuple, dst: tuple) -> list[int] | None:
-    """The axes (in order) where ``dst`` is ``src`` with size-1 dims inserted, else None."""
-    axes, i = [], 0
-    for axis, size in enumerate(dst):
-        if i < len(src) and src[i] == size:
-            i += 1
-        elif size == 1:
-            axes.append(axis)
-        else:
-            return None
-    return axes if i == len(src) else None
 
 
 # A product summed over a short axis (at most _CONTRACT_AXIS long) whose block is larger than
@@ -180,10 +169,6 @@ def _selected(condition: str, value: str, axis: int) -> str:
     return f"tl.sum(tl.where({condition}, {value}, 0.0), axis={axis})"
 
 
-def _is_complex(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype.is_complex
-
-
 def _pair_index(rank: int) -> str:
     return _expand("tl.arange(0, 2)", rank - 1, rank)
 
@@ -203,7 +188,11 @@ class _Lowerer:
             (self.traced.value(n).dim() for n in self.inputs + self.nodes if self.traced.batch_dims(n)), default=0
         )
         self._check_rows()
-        self.tiled, self.last = self._tiling()
+        tiling = find_tiling(self)
+        self.tiled = tiling is not None
+        self.last, self._leading = (tiling.size, tiling.leading) if tiling else (1, False)
+        self.tile_axis = tiling.axis if tiling else {}  # each value's tiled block axis
+        self.tile_scale = tiling.scale if tiling else {}  # how many tiles wide it is read
         self.block_last = 1
 
     # --- structure ---------------------------------------------------------------------------
@@ -297,124 +286,12 @@ class _Lowerer:
             u in self.nodes and self.traced.batch_dims(u) and self.traced.value(u).dim() == value.dim() for u in node.users
         )
 
-    def _tiling(self) -> tuple[bool, int]:
-        """Tile the outputs' last axis when no op mixes values along it, else their first axis
-        (the heads of a [T, heads, dim] value) when none mixes values along that one.
-
-        The tiled axis is followed backwards from the outputs through broadcasts, reshapes that
-        keep it, and reductions over other axes; ``self.tile_axis`` records which axis of each
-        value it is (None: the value is broadcast along it).
-        """
-        self.tile_axis: dict[fx.Node, int | None] = {}
-        self.tile_scale: dict[fx.Node, int] = {}  # how many times the tile a value's tiled axis is
-        self._leading = False
-        outs = [self.block_shape(n) for n in self.outputs]
-        if not all(outs):
-            return False, 1
-        for leading in (False, True):
-            size = self._tile(outs, leading)
-            if size:
-                self._leading = leading
-                return True, size
-        return False, 1
-
-    def _tile(self, outs: list[tuple[int, ...]], leading: bool) -> int:
-        """The size of the tiled axis (the outputs' first one when ``leading``, else their last),
-        or 0 when it cannot be tiled."""
-        sizes = {s[0] if leading else s[-1] for s in outs}
-        size = sizes.pop() if len(sizes) == 1 else 1
-        if size <= 1 or (leading and any(len(s) < 2 for s in outs)):
-            return 0
-        for node in self.nodes:
-            cop = self.cops[node]
-            regrouped = cop.op == "reshape" and _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node)) is None
-            whole = cop.op in ops.WHOLE_BLOCK and not self._gathered_per_column(node) and not self._halving(node)
-            last_axis_only = whole or regrouped or _is_complex(self.traced.value(node))
-            if last_axis_only and not leading:
-                return 0
-        axis: dict[fx.Node, int | None] = {n: 0 if leading else len(shape) - 1 for n, shape in zip(self.outputs, outs)}
-        scale: dict[fx.Node, int] = {}
-        for node in reversed(self.nodes):
-            mine = axis.setdefault(node, None)
-            cop = self.cops[node]
-            wide = scale.setdefault(node, 1)
-            source_wide = wide * (2 if self._halving(node) else 1)
-            for arg in cop.args:
-                if not isinstance(arg, fx.Node):
-                    continue
-                theirs = self._arg_axis(node, cop, arg, mine, size * wide)
-                if theirs == "conflict" or axis.setdefault(arg, theirs) != theirs:
-                    return 0
-                if theirs is not None and scale.setdefault(arg, source_wide) != source_wide:
-                    return 0  # read at two widths
-        self.tile_axis, self.tile_scale = axis, scale
-        return size
-
-    def _halving(self, node: fx.Node) -> bool:
-        """Every other column of the last axis (``x[..., ::2]``, ``x[..., 1::2]``): a tile of
-        the result reads a tile twice as wide of its source (GPT-OSS's interleaved gate and up)."""
-        cop = self.cops[node]
-        if cop.op != "slice" or cop.attr("step", 1) != 2:
-            return False
-        src, out = self.block_shape(cop.args[0]), self.block_shape(node)
-        return bool(src) and len(src) == len(out) and src[-1] == 2 * out[-1] and cop.attr("start") in (0, 1)
-
-    def _gathered_per_column(self, node: fx.Node) -> bool:
-        """Rows gathered per token (``group_rows``) and the row gathers computed at them: a
-        column of the result reads the same column of each row, so the columns may be tiled."""
-        cop = self.cops[node]
-        if cop.op == "gather_rows":  # one row per token (a bias by expert id), or regathered
-            return node in self.regathered or not self.block_shape(cop.args[1])
-        return cop.op == "group_rows"
-
-    def _arg_axis(self, node, cop: COp, arg: fx.Node, mine, size):
-        """Which axis of ``arg`` feeds the tiled axis ``mine`` of ``node`` (or "conflict")."""
-        shape, src = self.block_shape(node), self.block_shape(arg)
-        if mine is None:
-            return None
-        if self._gathered_per_column(node):
-            if arg is not cop.args[0]:
-                return None  # the index: one position per row
-            k = mine - 1 if cop.op == "group_rows" else mine + len(src) - len(shape)  # past [k], or a table's rows
-            return k if 0 <= k < len(src) and src[k] == size else "conflict"
-        if self._halving(node):
-            return len(src) - 1 if mine == len(shape) - 1 and src[-1] == 2 * size else "conflict"
-        kind = ops.kind(cop.op)
-        if kind in (ops.REDUCTION, ops.NORMALIZATION) and arg is cop.args[0]:
-            reduced = self._block_axes(cop)
-            if kind == ops.NORMALIZATION or cop.attr("keepdim"):
-                k = mine
-            else:
-                kept = [i for i in range(len(src)) if i not in reduced]
-                k = kept[mine]
-            return "conflict" if k in reduced else k
-        if cop.kind == UNIT_VIEW and cop.op == "reshape":
-            before = sum(1 for s in shape[:mine] if s != 1)
-            positions = [i for i, s in enumerate(src) if s != 1]
-            return positions[before] if before < len(positions) and src[positions[before]] == size else "conflict"
-        if cop.op in ("stack", "repeat_interleave"):
-            # The axis they make (or repeat along) is never tiled; a stack's others shift past it.
-            axis = self._block_axis(node, cop.attr("dim"))
-            if mine == axis:
-                return "conflict"
-            k = mine - 1 if cop.op == "stack" and mine > axis else mine
-            return None if src[k] == 1 else k if src[k] == size else "conflict"
-        if cop.op in ops.WHOLE_BLOCK or _is_complex(self.traced.value(node)):
-            # They work on the last axis (or pair it up); the leading axes line up from the left.
-            if mine >= len(shape) - 1 or mine >= len(src) - 1:
-                return "conflict"
-            return None if src[mine] == 1 else mine if src[mine] == size else "conflict"
-        k = mine - (len(shape) - len(src))  # elementwise, expand: numpy right-aligned broadcast
-        if k < 0 or src[k] == 1:
-            return None
-        return k if src[k] == size else "conflict"
-
-    def _block_axes(self, cop: COp) -> list[int]:
+    def block_axes(self, cop: COp) -> list[int]:
         src = cop.args[0]
         offset = 1 if self.traced.batch_dims(src) else 0
         return [d - offset for d in cop.attr("dim")]
 
-    def _block_axis(self, node: fx.Node, dim: int) -> int:
+    def block_axis(self, node: fx.Node, dim: int) -> int:
         """Block axis of ``node``'s (full-rank) dim ``dim``."""
         return dim - (1 if self.traced.batch_dims(node) else 0)
 
@@ -603,7 +480,7 @@ class _Lowerer:
 
     def lower_stack(self, node: fx.Node, cop: COp):
         """``torch.stack(parts, dim)``: each part put along a new axis, one select per part."""
-        axis = self._block_axis(node, cop.attr("dim"))
+        axis = self.block_axis(node, cop.attr("dim"))
         rank = len(self.padded(node))
         which = _expand(f"tl.arange(0, {pow2(len(cop.args))})", axis, rank)
         parts = [f"tl.expand_dims({self.f32(p)}, {axis})" for p in cop.args]
@@ -616,7 +493,7 @@ class _Lowerer:
         """``src.repeat_interleave(r, dim)``: element j along the axis is the source's j // r,
         picked by a one-hot sum over the source's axis (Triton cannot index a block)."""
         src = cop.args[0]
-        axis, repeats = self._block_axis(node, cop.attr("dim")), cop.attr("repeats")
+        axis, repeats = self.block_axis(node, cop.attr("dim")), cop.attr("repeats")
         shape, out = self.padded(src), self.padded(node)
         if math.prod(shape) * out[axis] > _ONE_HOT_LIMIT:
             raise LoweringError(f"`{node.name}`: repeating a {shape} block is too large to do in registers")
@@ -640,7 +517,7 @@ class _Lowerer:
                 continue
             pc = self.cops[product]
             users = [u for u in product.users if u in self.nodes]
-            axes = self._block_axes(cop)
+            axes = self.block_axes(cop)
             if pc.op != "mul" or users != [node] or len(axes) != 1 or self.is_tiled(product, axes[0]):
                 continue
             if math.prod(self.padded(product)) > _CONTRACT_ABOVE and self.block_shape(product)[axes[0]] <= _CONTRACT_AXIS:
@@ -650,7 +527,7 @@ class _Lowerer:
     def contract(self, node: fx.Node, cop: COp):
         """``(a * b).sum(axis)`` as a sum of ``a[j] * b[j]`` over the axis, never building a * b."""
         product = cop.args[0]
-        axis = self._block_axes(cop)[0]
+        axis = self.block_axes(cop)[0]
         rank = len(self.padded(product))
         dtype = self.traced.value(product).dtype
         terms = []
@@ -684,7 +561,7 @@ class _Lowerer:
             return f"tl.broadcast_to({src}, {self.padded(node)})"
         if self.padded(node) == self.padded(cop.args[0]):
             return src
-        inserted = _inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node))
+        inserted = inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node))
         if inserted is not None:  # unsqueeze: a broadcast, no data movement (tl.reshape may shuffle)
             for axis in inserted:
                 src = f"tl.expand_dims({src}, {axis})"
@@ -948,7 +825,7 @@ class _Lowerer:
         dims = cop.attr("dim")
         if set(dims) & set(self.traced.batch_dims(cop.args[0])):
             raise LoweringError(f"`{node.name}` reduces across tokens (dims {dims})")
-        return self._block_axes(cop)
+        return self.block_axes(cop)
 
     def reduce(self, node: fx.Node, cop: COp):
         src = cop.args[0]
@@ -1156,7 +1033,7 @@ class _AtRows:
         rank = len(self.lowerer.block_shape(node)) + 1
         if cop.op == "reshape":  # a unit-axis view: only inserted unit axes are followed here
             src = cop.args[0]
-            inserted = _inserted_axes(self.lowerer.block_shape(src), self.lowerer.block_shape(node))
+            inserted = inserted_axes(self.lowerer.block_shape(src), self.lowerer.block_shape(node))
             if inserted is None:
                 raise LoweringError(f"`{node.name}`: only unit axes may be added at gathered rows", node)
             expr = self.value(src)
