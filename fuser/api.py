@@ -423,9 +423,7 @@ def plan(
     report_copies(report, copies)
     report.precomputed = [n.name for n in constants]
     report.literals = captured_literals(module, traced)
-    report.state_reads = {
-        r.label(): f"a tensor {list(r.value[2])} {r.value[0]}" if r.tensor else repr(r.value) for r in traced.state_reads
-    }
+    report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
     p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}

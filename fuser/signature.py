@@ -148,6 +148,10 @@ class StateRead:
     def label(self) -> str:
         return ".".join((self.state, *self.path))
 
+    def shown(self) -> str:
+        """The value as the report shows it: its repr, or a tensor's shape and dtype."""
+        return f"a tensor {list(self.value[2])} {self.value[0]}" if self.tensor else repr(self.value)
+
     def differs(self, state: Any) -> str | None:
         """None when ``state`` (the call's object) holds the same value at the path, else why not."""
         now = state
