@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 
 from examples.zoo import layers as zoo  # noqa: E402
 
-TILES = (32, 64, 128, 256, 512, 1024, 2048)
-WARPS = (1, 2, 4, 8)
+TILES = (64, 128, 256, 512, 1024)
+WARPS = (1, 2, 4)
 
 
 def probe(name: str, tokens: tuple[int, ...]) -> list[dict]:
