@@ -267,12 +267,24 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _validate(kernel: Kernel, values, cops) -> str | None:
+    """What is wrong with the kernel's outputs on the recorded values, or None. A kernel that
+    chooses its tile width at launch is run at every width it may choose."""
+    spec = kernel.spec
+    widths = spec.program.widths if spec is not None and spec.tile_at_launch else (None,)
+    for width in widths:
+        problem = _validate_launch(kernel, values, cops, {} if width is None else {"block_tile": width})
+        if problem:
+            return problem if width is None else f"{problem} (at a tile of {width})"
+    return None
+
+
+def _validate_launch(kernel: Kernel, values, cops, launch_options: dict) -> str | None:
     region = kernel.region
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     targets = store_targets(region, values)
     try:
         with torch.no_grad(), _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
-            got = kernel.launch(*values.inputs_of(region), *targets)
+            got = kernel.launch(*values.inputs_of(region), *targets, **launch_options)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run stays unspliced
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return f"kernel {kernel.path.name} failed: {type(e).__name__}: {first}"

@@ -24,6 +24,7 @@ from fuser.capture import capturing
 from fuser.launch_config import current_gpu, lookup
 from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_count, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
+from fuser.tiling import LAUNCH_PROGRAMS
 
 
 class TemplateError(Exception):
@@ -48,6 +49,15 @@ class KernelSpec:
         if self.program is None:
             return 1
         return lookup(self, current_gpu()) or self.program.num_warps
+
+    @property
+    def tile_at_launch(self) -> bool:
+        """Does each launch choose its tile width, and warps with it, by its row count
+        (:func:`fuser.tiling.launch_width`)? Not where warps were tuned for this kernel (a
+        launch-table entry, or the tuner's own): they hold for its tile."""
+        if self.program is None or not self.program.widths or self.warps is not None:
+            return False
+        return lookup(self, current_gpu()) is None
 
 
 _ENV_LOCK = threading.Lock()
@@ -93,6 +103,8 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         program=spec.program,
         kernel_name=kernel_name,
         num_warps=spec.num_warps,
+        tile_at_launch=spec.tile_at_launch,
+        launch_programs=LAUNCH_PROGRAMS,
         row_source=row_source(spec.inputs),
         row_count=row_count(spec.inputs),
         tl_dtype=TL_DTYPES,

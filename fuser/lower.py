@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fuser import ops
 from fuser.canon import COMPUTE, UNIT_VIEW, COp
-from fuser.tiling import find_tiling, inserted_axes
+from fuser.tiling import find_tiling, inserted_axes, launch_widths, pow2, tile_floor
 from fuser.trace import Traced
 
 
@@ -82,10 +82,6 @@ _CONTRACT_AXIS = 16
 _ONE_HOT_LIMIT = 1 << 16
 
 
-def pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 @dataclass
 class Operand:
     """A tensor the kernel reads or writes: its pointer and the strides of its block dims."""
@@ -132,6 +128,10 @@ class RowProgram:
     numel: int = 1  # padded elements of the largest block
     helpers: tuple[str, ...] = ()  # jit functions the body calls (templates/_row_program.py.jinja)
     tile_scales: tuple[int, ...] = ()  # wider tiles the body reads (``tile2``: every other column's source)
+    others: int = 1  # elements of the other axes each element of the tiled axis comes with
+    per_warp: int = 256  # elements a warp takes (heuristic_warps)
+    # Tile widths a launch may choose by its row count (fuser.tiling.launch_widths); none: block_last
+    widths: tuple[int, ...] = ()
 
 
 def row_source(inputs: list[Operand]) -> str:
@@ -906,7 +906,9 @@ class _Lowerer:
         self.dtypes[node] = torch.int64
 
     # --- entry point -------------------------------------------------------------------------
-    def lower(self) -> RowProgram:
+    def lower(self, block_last: int | None = None) -> RowProgram:
+        """The region's row program; a tiled one with ``block_last`` elements of the tiled axis
+        a program (default: :meth:`tile_width`)."""
         ins = [self._operand(n, f"in{i}") for i, n in enumerate(self.inputs)]
         outs = [self._operand(n, f"out{i}") for i, n in enumerate(self.outputs)]
         self.contracted = self._contractions()
@@ -915,13 +917,14 @@ class _Lowerer:
             if isinstance(self.traced.value(n), torch.Tensor)
             and n not in self.contracted and n not in self.gathered and n not in self.regathered
         ]  # fmt: skip: a gathered table is read a row at a time, a contracted product never built
+        others = 1
         if self.tiled:
             others = max(
                 math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))
                 * self.tile_scale.get(n, 1)
                 for n in values
             )  # fmt: skip: a tile twice as wide counts twice
-            self.block_last = self.tile_width(others)
+            self.block_last = block_last or self.tile_width(others)
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
         self._operands = ins
         for operand, node in zip(ins, self.inputs):
@@ -938,16 +941,20 @@ class _Lowerer:
             self.store(operand, node)
         names = {self.cops[n].op for n in self.nodes}
         leading = self.tiled and self._leading
-        warps = heuristic_warps(numel, bool(names & ops.REDUCING), self.tiled, leading, names)
+        per_warp = elements_per_warp(bool(names & ops.REDUCING), self.tiled, leading, names)
         helpers = tuple(sorted(self.helpers))
         scales = tuple(sorted({s for s in self.tile_scale.values() if s > 1})) if self.tiled else ()
-        return RowProgram(ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps, numel, helpers, scales)
+        return RowProgram(
+            ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps_for(numel, per_warp),
+            numel, helpers, scales, others, per_warp,
+        )  # fmt: skip
 
     def tile_width(self, others: int) -> int:
         """Elements of the tiled axis a program takes, when each of them comes with ``others``
         elements of the other axes: about 2048 a program, at least 16 columns (heads by the one)."""
-        floor = 1 if self._leading else 16
-        return min(pow2(self.last), max(floor, pow2(max(1, 2048 // others))))
+        return min(pow2(self.last), max(tile_floor(self._leading), pow2(max(1, 2048 // others))))
+
+
 
     def _operand(self, node: fx.Node, name: str) -> Operand:
         op = operand(self.traced, node, name)
@@ -1076,7 +1083,12 @@ _PAIRED = {"view_as_complex", "view_as_real"}
 
 def heuristic_warps(numel: int, reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
     """Warps for a row program without a launch-table entry of its own, by its block's size
-    and what it does.
+    and what it does (:func:`elements_per_warp`)."""
+    return warps_for(numel, elements_per_warp(reducing, tiled, leading, op_names))
+
+
+def elements_per_warp(reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
+    """Elements of a block one warp takes.
 
     Fitted to every kernel of the zoo and the DSv4 example timed at 1-16 warps on an H200
     (``benchmarks/tune_zoo.py``, ``fuser tune``; benchmarks/results/launch_heuristic.md has the
@@ -1085,11 +1097,15 @@ def heuristic_warps(numel: int, reducing: bool, tiled: bool, leading: bool, op_n
     a reduction inside a column tile across a short axis (the sum over the top-k experts of
     ``[k, tile]``, the mHC streams); values interleaved along the last axis (``stack`` then
     flatten, ``repeat_interleave``: the DSv4 RoPE); a per-head reduction (a tile of heads)
-    that also splits complex pairs. Never more than 8: no kernel measured wanted 16 by more
-    than a few percent, and some lost a quarter with it.
+    that also splits complex pairs.
     """
     slow = (reducing and tiled and not leading) or bool(op_names & _INTERLEAVING) or (reducing and leading and bool(op_names & _PAIRED))
-    per_warp = 2048 if slow else 256
+    return 2048 if slow else 256
+
+
+def warps_for(numel: int, per_warp: int) -> int:
+    """``numel`` elements at ``per_warp`` a warp, in a power of two of warps. Never more than 8:
+    no kernel measured wanted 16 by more than a few percent, and some lost a quarter with it."""
     return min(8, max(1, pow2(numel // per_warp)))
 
 
@@ -1106,4 +1122,21 @@ def lower_region(traced: Traced, cops, nodes, inputs, outputs) -> RowProgram:
     for node in nodes:
         if cops[node].kind not in (COMPUTE, UNIT_VIEW):
             raise LoweringError(f"`{node.name}` ({cops[node].op}) is not an elementwise or reduction op")
-    return _Lowerer(traced, cops, nodes, inputs, outputs).lower()
+    program = _Lowerer(traced, cops, nodes, inputs, outputs).lower()
+    if program.tiled:
+
+        def body_at(width: int) -> list[str]:
+            return _Lowerer(traced, cops, nodes, inputs, outputs).lower(block_last=width).body
+
+        program.widths = _launch_widths(program, body_at)
+    return program
+
+
+def _launch_widths(program: RowProgram, body_at) -> tuple[int, ...]:
+    """The tile widths a launch of ``program`` may choose among (:func:`launch_widths`), or none
+    when its body depends on the width: lowered at another width, it must read the same."""
+    widths = launch_widths(program.last, program.block_last, program.others, program.per_warp, program.leading)
+    if len(widths) < 2:
+        return ()
+    other = widths[0] if widths[0] != program.block_last else widths[-1]
+    return widths if body_at(other) == program.body else ()

@@ -9,6 +9,13 @@ every value it is; a value read every other column (``x[..., ::2]``, GPT-OSS's i
 and up) is read a tile twice as wide. :func:`find_tiling` gives that map, or None when some op
 needs the whole axis in one program.
 
+How wide a tile is can wait until the launch, when the row count is known
+(:func:`launch_widths`, :func:`launch_width`): a few rows want narrow tiles, so that enough
+programs run at once (GPT-OSS's last MoE kernel at T=1: 1.43 µs at 64 columns against 1.75 at
+512), many rows want wide ones, so that each program's own work (the k gathered rows' indices
+and weights) is loaded fewer times over (Qwen3-MoE's at T=512: 3.42 µs at 1024 against 4.41 at
+256).
+
 The region is seen through its lowerer (:class:`fuser.lower._Lowerer`): its ops, nodes,
 outputs and the block shape of each value.
 """
@@ -42,6 +49,49 @@ def find_tiling(lw) -> Tiling | None:
         if found is not None:
             return found
     return None
+
+
+#: Programs a launch wants at least, when its tile can be narrowed to get them: about four per
+#: SM of an H100 or H200 (132 SMs).
+LAUNCH_PROGRAMS = 512
+#: Fewest elements a program takes (one warp, eight a thread).
+MIN_PROGRAM = 256
+#: Most elements a program takes at eight warps and fewer: beyond the heuristic's eight a
+#: thread only where a warp takes 2048 (then 32 a thread at most).
+MAX_PROGRAM = 8192
+#: Most columns a tile takes: the widest measured.
+MAX_COLUMNS = 1024
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def tile_floor(leading: bool) -> int:
+    """The narrowest tile: one head, or 16 columns."""
+    return 1 if leading else 16
+
+
+def launch_widths(size: int, width: int, others: int, per_warp: int, leading: bool) -> tuple[int, ...]:
+    """The tile widths (powers of two, narrowest first) a launch may take for a tiled axis of
+    ``size`` whose default tile is ``width``, each element of it coming with ``others`` elements
+    of the other axes, at ``per_warp`` elements a warp: from ``MIN_PROGRAM`` elements a program
+    (and :func:`tile_floor`) up to eight warps' worth (and ``MAX_PROGRAM``, ``MAX_COLUMNS``, the
+    whole axis); always ``width`` among them."""
+    narrowest = min(width, max(tile_floor(leading), pow2(MIN_PROGRAM // others)))
+    widest = min(pow2(size), min(8 * per_warp, MAX_PROGRAM) // others)
+    widest = max(width, widest if leading else min(widest, MAX_COLUMNS))
+    return tuple(1 << b for b in range(narrowest.bit_length() - 1, widest.bit_length()))
+
+
+def launch_width(rows: int, size: int, widths: tuple[int, ...]) -> int:
+    """The widest of ``widths`` that still gives ``LAUNCH_PROGRAMS`` programs over ``rows``
+    rows of ``size`` elements, else the narrowest. (The kernel launchers inline this.)"""
+    for width in reversed(widths):
+        if rows * -(-size // width) >= LAUNCH_PROGRAMS:
+            return width
+    return widths[0]
 
 
 def inserted_axes(src: tuple, dst: tuple) -> list[int] | None:

@@ -31,9 +31,9 @@ def spied_launches(corrupt: str | None = None):
     def emit(spec):
         path, launch = real_emit(spec)
 
-        def spy(*args):
+        def spy(*args, **options):
             calls.append(spec.pattern)
-            outs = launch(*args)
+            outs = launch(*args, **options)
             if corrupt in spec.pattern.split("+"):
                 outs = tuple(o + 1.0 for o in outs)
             return outs
