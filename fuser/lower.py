@@ -954,8 +954,6 @@ class _Lowerer:
         elements of the other axes: about 2048 a program, at least 16 columns (heads by the one)."""
         return min(pow2(self.last), max(tile_floor(self._leading), pow2(max(1, 2048 // others))))
 
-
-
     def _operand(self, node: fx.Node, name: str) -> Operand:
         op = operand(self.traced, node, name)
         if not op.has_rows and self.block_shape(node) != op.shape:  # [1, N]: expanded over rows
