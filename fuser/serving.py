@@ -7,7 +7,12 @@ calls qualify and supplies its engine's facts (its leaf classes, how a call says
   (sglang: ``forward_batch.forward_mode.is_decode()``) runs with the mode set
   (:func:`mode_active`); any other call runs exactly the original code.
 * :func:`fusion_targets` picks the submodules of a layer to fuse: the topmost ones that are
-  neither leaves nor take the engine's per-call state.
+  not leaves and do not pass the engine's per-call state into leaves that consume it
+  (attention). A target that takes the state is traced with it as state
+  (:mod:`fuser.signature`): the values it reads off it are guarded at every call.
+* :class:`GlobalReads` reads the engine-wide flags traced code calls (sglang's
+  ``get_is_capture_mode()``) as guarded values: a call where one differs from what the
+  trace saw runs the module's own code.
 * :class:`LazyFusion` fuses one module at its first call while the mode is set, with that
   call's real inputs as the example (an engine's warm-ups, which run before any capture,
   are that call). Its fused forward is guarded on the mode.
@@ -22,10 +27,14 @@ logged): nothing is ever traced, compiled or validated inside a capture.
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
+import importlib
 import inspect
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -156,6 +165,149 @@ def postponed_by_capture(waiting, name: str, options: Options) -> bool:
 
 
 # ------------------------------------------------------------------------------------------
+# What an engine adapter says about its modules
+# ------------------------------------------------------------------------------------------
+
+
+def _forward_of(module: torch.nn.Module) -> Callable:
+    return module.forward
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """An engine adapter's facts about its modules, for target selection and tracing.
+
+    ``is_leaf``: a module never fused nor looked into (GEMMs, attention, experts, the
+    engine's own kernels). ``searched``: a module that passes the engine's per-call state
+    into a leaf that consumes it (attention, a KV-cache writer): it is searched for targets,
+    not traced. ``called_method``: the method the engine's call of a module runs (its
+    ``forward``, or what a ``forward(*args, **kwargs)`` dispatches to); that is what is traced.
+    ``global_reads``: dotted paths of engine-wide flag functions that traced code may call
+    (``get_is_capture_mode``); each one read is a guarded value (:class:`GlobalReads`).
+    ``always_guarded``: dotted paths of zero-argument functions compared at every call of
+    every target, read or not (a setting the adapter's own decisions depend on)."""
+
+    is_leaf: Callable[[torch.nn.Module], bool]
+    searched: Callable[[torch.nn.Module], bool]
+    called_method: Callable[[torch.nn.Module], Callable] = _forward_of
+    global_reads: tuple[str, ...] = ()
+    always_guarded: tuple[str, ...] = ()
+
+
+def leaf_paths(module: torch.nn.Module, is_leaf: Callable[[torch.nn.Module], bool]) -> list[str]:
+    """The qualified names of ``module``'s topmost submodules that are leaves (what the trace
+    keeps opaque, by name: a class may be a leaf in one configuration and glue in another)."""
+    paths = []
+
+    def visit(prefix: str, parent: torch.nn.Module):
+        for name, child in parent.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if is_leaf(child):
+                paths.append(path)
+            else:
+                visit(path, child)
+
+    visit("", module)
+    return paths
+
+
+def resolve_dotted(path: str):
+    """The object a dotted path names (``package.module.function``), or None if it does not import."""
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return getattr(module, attribute, None)
+
+
+class GlobalReads:
+    """Engine-wide flag functions (``get_is_capture_mode()``) read as guarded values.
+
+    While :meth:`recording` is active, each function is replaced, in its own module and in
+    every module that imported it by name, by one that records what it returned for its
+    arguments; a value that is not a plain value (a tensor, an object), or two different
+    values for one call, make the module :class:`Unfusable`. :meth:`unchanged` calls each
+    recorded function again and compares: the guard of the fused forward. Functions in
+    ``always`` are zero-argument and compared whether the traced code read them or not."""
+
+    def __init__(self, paths: Iterable[str], always: Iterable[str] = ()):
+        self.functions = {p: f for p in paths if callable(f := resolve_dotted(p))}
+        self.always = {p: f for p in always if callable(f := resolve_dotted(p))}
+        self.values: dict[tuple, Any] = {}  # (path, args, kwargs) -> value
+        self.problem: str | None = None
+
+    def snapshot_always(self) -> None:
+        for path, function in self.always.items():
+            self.values[path, (), ()] = function()
+
+    @contextlib.contextmanager
+    def recording(self):
+        replaced = []  # (namespace, name, original)
+        with _GLOBALS_LOCK:
+            try:
+                for path, function in self.functions.items():
+                    recorder = self._recorder(path, function)
+                    for namespace, name in _holders(function):
+                        replaced.append((namespace, name, function))
+                        namespace[name] = recorder
+                yield self
+            finally:
+                for namespace, name, original in reversed(replaced):
+                    namespace[name] = original
+        if self.problem is not None:
+            raise Unfusable(self.problem)
+
+    def _recorder(self, path: str, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def record(*args, **kwargs):
+            value = function(*args, **kwargs)
+            key = (path, args, tuple(sorted(kwargs.items())))
+            if not _plain_value(value):
+                self.problem = f"{path}{args} returned {type(value).__name__}, not a value the guard can compare"
+            elif key in self.values and self.values[key] != value:
+                self.problem = f"{path}{args} returned {self.values[key]!r} and then {value!r} during the trace"
+            else:
+                self.values[key] = value
+            return value
+
+        return record
+
+    def read(self) -> dict[str, Any]:
+        """What was read, for the log: ``path(args) -> value``."""
+        return {f"{p}{a if a else '()'}": v for (p, a, _), v in self.values.items()}
+
+    def unchanged(self) -> bool:
+        functions = {**self.functions, **self.always}
+        return all(functions[p](*a, **dict(k)) == v for (p, a, k), v in self.values.items())
+
+
+_GLOBALS_LOCK = threading.RLock()
+
+
+def _holders(function: Callable) -> list[tuple[dict, str]]:
+    """Every (module namespace, name) that holds ``function``: its own module and each module
+    that imported it by name."""
+    holders = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if value is function:
+                holders.append((namespace, name))
+    return holders
+
+
+def _plain_value(value) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, enum.Enum)):
+        return True
+    if isinstance(value, tuple):
+        return all(_plain_value(v) for v in value)
+    return False
+
+
+# ------------------------------------------------------------------------------------------
 # The mode splice
 # ------------------------------------------------------------------------------------------
 
@@ -174,8 +326,8 @@ class ModeSplice:
     first such call. ``functools.wraps`` keeps the signature (engines read it)."""
 
     def __init__(self, name: str, layer: torch.nn.Module, accepts: Callable[[dict], bool],
-                 targets: Iterable[tuple[str, torch.nn.Module]], options: Options,
-                 on_fused: Callable[[LazyFusion], None] | None = None, leaves: tuple = ()):
+                 targets: Iterable[tuple[str, torch.nn.Module]], options: Options, facts: EngineFacts,
+                 on_fused: Callable[[LazyFusion], None] | None = None):
         self.name, self.layer, self.options = name, layer, options
         self.original = layer.__dict__.get("forward")
         eager = layer.forward
@@ -193,7 +345,7 @@ class ModeSplice:
 
         layer.forward = forward
         object.__setattr__(layer, SPLICE_ATTR, self)
-        self.targets = [LazyFusion(f"{name}.{path}" if name else path, module, options, on_fused, leaves)
+        self.targets = [LazyFusion(f"{name}.{path}" if name else path, module, options, facts, on_fused)
                         for path, module in targets]
 
     def remove(self) -> None:
@@ -215,21 +367,21 @@ def uninstall(model: torch.nn.Module) -> None:
             splice.remove()
 
 
-def target_decisions(layer: torch.nn.Module, is_leaf: Callable[[torch.nn.Module], bool],
-                     takes_state: Callable[[torch.nn.Module], bool]) -> list[tuple[str, str, str]]:
+def target_decisions(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[str, str, str]]:
     """What :func:`fusion_targets` decides for each submodule it looks at, top down:
-    ``(path, class name, "leaf" | "searched" | "target")``. A leaf (``is_leaf``: GEMMs,
+    ``(path, class name, "leaf" | "searched" | "target")``. A leaf (``facts.is_leaf``: GEMMs,
     attention, experts, the engine's own kernels) is never fused nor looked into; a module
-    that takes the engine's per-call state (``takes_state``) threads Python state through its
-    forward and is searched, not traced; the topmost others are the targets."""
+    that passes the engine's per-call state into a leaf that consumes it (``facts.searched``:
+    attention) is searched, not traced; the topmost others are the targets, whether their
+    called method takes the engine's state or not (it is traced as state)."""
     decisions = []
 
     def visit(prefix: str, module: torch.nn.Module):
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if is_leaf(child):
+            if facts.is_leaf(child):
                 decisions.append((path, type(child).__name__, "leaf"))
-            elif takes_state(child):
+            elif facts.searched(child):
                 decisions.append((path, type(child).__name__, "searched"))
                 visit(path, child)
             else:
@@ -239,23 +391,29 @@ def target_decisions(layer: torch.nn.Module, is_leaf: Callable[[torch.nn.Module]
     return decisions
 
 
-def fusion_targets(layer: torch.nn.Module, is_leaf: Callable[[torch.nn.Module], bool],
-                   takes_state: Callable[[torch.nn.Module], bool]) -> list[tuple[str, torch.nn.Module]]:
+def fusion_targets(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[str, torch.nn.Module]]:
     """The submodules of ``layer`` to fuse (see :func:`target_decisions`)."""
-    return [(path, layer.get_submodule(path)) for path, _, decision in target_decisions(layer, is_leaf, takes_state)
+    return [(path, layer.get_submodule(path)) for path, _, decision in target_decisions(layer, facts)
             if decision == "target"]
 
 
 class LazyFusion:
-    """One module, fused at its first call while the mode is set, outside any capture."""
+    """One module, fused at its first call while the mode is set, outside any capture.
 
-    def __init__(self, name: str, module: torch.nn.Module, options: Options,
-                 on_fused: Callable[[LazyFusion], None] | None = None, leaves: tuple = ()):
-        self.name, self.module, self.options, self.on_fused = name, module, options, on_fused
-        self.leaves = leaves  # more opaque leaves for the trace (the engine's classes)
+    What is traced is the method the engine's call runs (``facts.called_method``), with the
+    engine's leaves kept opaque by name. Once fused, a call runs the fused forward only while
+    the mode is set and every engine-wide flag the trace read still has its value
+    (:class:`GlobalReads`); any other call runs the module's own forward."""
+
+    def __init__(self, name: str, module: torch.nn.Module, options: Options, facts: EngineFacts,
+                 on_fused: Callable[[LazyFusion], None] | None = None):
+        self.name, self.module, self.options, self.facts = name, module, options, facts
+        self.on_fused = on_fused
         self.original = module.__dict__.get("forward")
         self.state = "waiting"  # -> "fused" | "eager"
         self.report = None
+        self.globals = GlobalReads(facts.global_reads, facts.always_guarded)
+        self.fused_module = module  # or the method the module's forward dispatches to, as a module
         self.warned_capture = False
         eager = module.forward
 
@@ -263,7 +421,9 @@ class LazyFusion:
         def forward(*args, **kwargs):
             if self.state == "waiting" and mode_active():
                 self.fuse(args, kwargs)
-            return self.module_forward(*args, **kwargs)
+            if self.state == "fused" and self.takes_fused_path():
+                return self.module_forward(*args, **kwargs)
+            return eager(*args, **kwargs)
 
         self.module_forward = eager
         module.forward = forward
@@ -272,6 +432,9 @@ class LazyFusion:
     def label(self) -> str:
         return f"{self.name} ({type(self.module).__name__})"
 
+    def takes_fused_path(self) -> bool:
+        return mode_active() and self.globals.unchanged()
+
     def fuse(self, args, kwargs) -> None:
         if postponed_by_capture(self, self.label, self.options):
             return  # stays waiting
@@ -279,9 +442,15 @@ class LazyFusion:
         del self.module.forward  # fuse the module's own forward, not this wrapper
         if self.original is not None:
             self.module.forward = self.original
+        method = self.facts.called_method(self.module)
+        if getattr(method, "__func__", method) is not getattr(self.module.forward, "__func__", None):
+            self.fused_module = method_module(self.module, method.__name__)  # a forward(*args) dispatching
+        leaves = leaf_paths(self.fused_module, self.facts.is_leaf)
         try:
-            self.report = fuse_now(self.module, args, kwargs, self.options, self.leaves,
-                                   guard=lambda *a, **k: mode_active())
+            self.globals.snapshot_always()
+            with self.globals.recording():
+                self.report = fuse_now(self.fused_module, args, kwargs, self.options, leaves,
+                                       guard=lambda *a, **k: self.takes_fused_path())
         except Unfusable as e:
             self.state = "eager"  # and unwrapped: nothing of fuser's stays on the module
             give_up(self.name, str(e), self.options)
@@ -289,20 +458,22 @@ class LazyFusion:
         except BaseException:
             self.module.forward = wrapper
             raise
-        self.module_forward = self.module.forward
+        self.module_forward = self.fused_module.forward
         self.module.forward = wrapper
         self.state = "fused"
-        log.info("fuser: %s fused: %d glue launches -> %d", self.name, self.report.launches_before,
-                 self.report.launches_after)
+        read = self.globals.read()
+        log.info("fuser: %s fused: %d glue launches -> %d%s", self.name, self.report.launches_before,
+                 self.report.launches_after, f" (guarded on {read})" if read else "")
         if self.on_fused is not None:
             self.on_fused(self)
 
     def remove(self) -> None:
         from fuser.splice import is_fused, restore
 
-        if is_fused(self.module):
-            self.module.forward = self.module_forward  # the guarded forward fuser installed
-            restore(self.module)
+        if is_fused(self.fused_module):
+            if self.fused_module is self.module:
+                self.module.forward = self.module_forward  # the guarded forward fuser installed
+            restore(self.fused_module)
         if self.original is None:
             self.module.__dict__.pop("forward", None)
         else:
@@ -336,6 +507,32 @@ def closure_module(function: Callable) -> ClosureModule:
     forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
     cls = type(function.__name__, (ClosureModule,), {"forward": forward, "__module__": function.__module__})
     return cls(function)
+
+
+class MethodModule(torch.nn.Module):
+    """One method of a module as a module fuser can apply to: ``forward`` calls
+    ``self.owner.<method>`` with the method's signature. The owner is a submodule, so its
+    parameters stay parameters (read live, as the owner's)."""
+
+    def __init__(self, owner: torch.nn.Module, method: str):
+        super().__init__()
+        self.owner, self.method = owner, method
+
+    def extra_repr(self) -> str:
+        return f"{type(self.owner).__name__}.{self.method}"
+
+
+def method_module(owner: torch.nn.Module, method: str) -> MethodModule:
+    """A :class:`MethodModule` for ``owner.<method>``, of a class named after the owner's (the report's name)."""
+    signature = inspect.signature(getattr(owner, method))
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.owner, self.method)(*args, **kwargs)
+
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    cls = type(f"{type(owner).__name__}.{method}", (MethodModule,), {"forward": forward, "__module__": type(owner).__module__})
+    return cls(owner, method)
 
 
 def where(function: Callable) -> str:

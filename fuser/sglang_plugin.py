@@ -57,9 +57,11 @@ import torch
 from fuser import serving
 from fuser.serving import (
     SPLICE_ATTR,
+    EngineFacts,
     LazyFusion,
     ModeSplice,
     fusion_targets,
+    leaf_paths,
     target_decisions,
     uninstall,
 )
@@ -77,6 +79,16 @@ LEAF_CLASSES = (
     ("sglang.srt.layers.moe.fused_moe_triton.layer", "FusedMoE"),  # the routed experts
     ("sglang.srt.layers.radix_attention", "RadixAttention"),
     ("sglang.kernels.fused_op", "BaseFusedOp"),  # RMSNorm, TopK, ...: sglang's own kernels
+)
+FUSED_OP_BACKEND = "sglang.kernels.fused_op.get_fused_op_backend"
+
+#: sglang's engine-wide flags that model code branches on (``DeepseekV2MoE.forward`` takes its
+#: dual-stream path on ``get_is_capture_mode()``): each one a trace reads is a guarded value.
+GLOBAL_READS = (
+    "sglang.srt.model_executor.runner_utils.capture_mode.get_is_capture_mode",
+    "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context.is_in_breakable_cuda_graph",
+    "sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager.is_in_tc_piecewise_cuda_graph",
+    FUSED_OP_BACKEND,
 )
 
 
@@ -167,19 +179,51 @@ def leaf_types() -> tuple[type, ...]:
 
 def is_leaf(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> bool:
     """A module fuser keeps opaque and never fuses: a GEMM, attention, the experts, one of
-    sglang's own kernels, or a class marked ``@fuser.opaque``."""
+    sglang's own kernels, or a class marked ``@fuser.opaque``. A fused op that runs its torch
+    reference (:func:`runs_torch_reference`: ``SGLANG_FORCE_FUSED_OP_BACKEND=torch``) is glue,
+    unless it takes ``forward_batch`` (the DSv4 compressor writes the KV cache)."""
     from fuser.opaque import is_opaque
     from fuser.trace import DEFAULT_LEAF_TYPES
 
-    return isinstance(module, DEFAULT_LEAF_TYPES + leaf_types() + extra) or is_opaque(type(module))
+    kernels = tuple(c for c in leaf_types() if not _is_fused_op_base(c))  # GEMMs, experts, attention
+    if is_opaque(type(module)) or isinstance(module, DEFAULT_LEAF_TYPES + kernels + extra):
+        return True
+    if not is_fused_op(module):
+        return False
+    return not (runs_torch_reference(module) and not takes_forward_batch(module))
+
+
+def _is_fused_op_base(cls: type) -> bool:
+    return cls.__name__ == "BaseFusedOp" and cls.__module__ == "sglang.kernels.fused_op"
+
+
+def is_fused_op(module: torch.nn.Module) -> bool:
+    """Is ``module`` one of sglang's fused ops (``BaseFusedOp``: RMSNorm, TopK, SiluAndMul, RoPE, ...)?"""
+    return any(_is_fused_op_base(c) for c in type(module).__mro__)
+
+
+def runs_torch_reference(op: torch.nn.Module) -> bool:
+    """Does a call of sglang's fused op ``op`` run its pure-torch ``forward_native``: the
+    backend forced to torch (``SGLANG_FORCE_FUSED_OP_BACKEND=torch``), or its dispatch
+    resolving to it (no kernel for this platform)?"""
+    from sglang.kernels.fused_op import KernelBackend, get_fused_op_backend
+
+    forced = get_fused_op_backend()
+    if forced is not None:
+        return forced == KernelBackend.TORCH
+    method = op._forward_method or op._resolve_forward_method()
+    return getattr(method, "__func__", None) is getattr(type(op).forward_native, "__func__", type(op).forward_native)
 
 
 def called_method(module: torch.nn.Module):
-    """The method sglang's call of ``module`` runs: ``forward``, or for a ``forward(*args,
+    """The method sglang's call of ``module`` runs: ``forward``; a fused op's
+    ``forward_native`` when it runs its torch reference; for another ``forward(*args,
     **kwargs)`` that dispatches (sglang's multi-platform ops) the method it resolved to."""
     forward = module.forward
     if not _takes_anything(forward):
         return forward
+    if is_fused_op(module) and runs_torch_reference(module):
+        return module.forward_native
     for name in ("_forward_method", "forward_native"):
         method = getattr(module, name, None)
         if callable(method) and not _takes_anything(method):
@@ -194,9 +238,32 @@ def _takes_anything(function) -> bool:
 
 def takes_forward_batch(module: torch.nn.Module) -> bool:
     """Does the method sglang calls take ``forward_batch`` (or take anything at all, so that it
-    cannot be told)? Such a module is searched for targets, not traced."""
+    cannot be told)?"""
     method = called_method(module)
     return _takes_anything(method) or "forward_batch" in inspect.signature(method).parameters
+
+
+def requires_forward_batch(module: torch.nn.Module) -> bool:
+    """Does the method sglang calls require ``forward_batch`` (a parameter with no default:
+    attention, the DSv4 compressor), rather than take it optionally (a row-parallel GEMM)?"""
+    parameter = inspect.signature(called_method(module)).parameters.get("forward_batch")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def passes_forward_batch_to_leaves(module: torch.nn.Module) -> bool:
+    """Does ``module`` take ``forward_batch`` and hold a leaf that requires it (attention, the
+    DSv4 compressor: they read the attention backend's per-batch metadata and write the KV
+    cache)? Such a module is searched for targets, not traced: its own control flow reads the
+    forward context (``get_attn_backend()``), engine state that no guard compares."""
+    if not takes_forward_batch(module):
+        return False
+    return any(requires_forward_batch(module.get_submodule(path)) for path in leaf_paths(module, is_leaf))
+
+
+def engine_facts() -> EngineFacts:
+    """What the serving core needs to know about sglang's modules."""
+    return EngineFacts(is_leaf=is_leaf, searched=passes_forward_batch_to_leaves, called_method=called_method,
+                       global_reads=GLOBAL_READS, always_guarded=(FUSED_OP_BACKEND,))
 
 
 def layer_class_matches(cls: type, names: tuple[str, ...]) -> bool:
@@ -226,20 +293,21 @@ def install(model: torch.nn.Module, options: Options) -> list[ModeSplice]:
             log.warning("fuser: %s (%s) takes no forward_batch: decode and prefill cannot be told "
                         "apart, left eager", name, type(module).__name__)
             continue
-        targets = fusion_targets(module, is_leaf, takes_forward_batch)
+        facts = engine_facts()
+        targets = fusion_targets(module, facts)
         if not targets:
             log.info("fuser: %s (%s): no submodule to fuse (GEMMs, experts, attention and sglang's "
-                     "own kernels are leaves; the rest takes forward_batch); its mHC glue is fused "
-                     "through the compile seam", name, type(module).__name__)
+                     "own kernels are leaves; the rest passes forward_batch to attention); its mHC "
+                     "glue is fused through the compile seam", name, type(module).__name__)
             continue
         on_fused = lambda target, model=model: declare_weight_caches(model, target)
-        splices.append(ModeSplice(name, module, decode_call, targets, options, on_fused, leaf_types()))
+        splices.append(ModeSplice(name, module, decode_call, targets, options, facts, on_fused))
     return splices
 
 
 def decisions(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
     """What the plugin decides for each submodule of a decoder layer: leaf, searched or target."""
-    return target_decisions(layer, is_leaf, takes_forward_batch)
+    return target_decisions(layer, engine_facts())
 
 
 def declare_weight_caches(model: torch.nn.Module, target: LazyFusion) -> None:
@@ -265,6 +333,8 @@ __all__ = [
     "is_leaf",
     "layer_class_matches",
     "register",
+    "passes_forward_batch_to_leaves",
+    "runs_torch_reference",
     "takes_forward_batch",
     "uninstall",
 ]

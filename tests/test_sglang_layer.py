@@ -3,7 +3,13 @@
 ``tests/sglang_env/layer_scenarios.py`` builds sglang's ``DeepseekV4CudaDecoderLayer`` as
 sglang ships it (tiny config; compress ratios 0, 4 and 128; hash and top-k routing; world
 size 1 on gloo; inside ``layer_stack``) and the ``DeepseekV4DecoderLayer`` alias, in a fresh
-process with the plugin loaded by sglang's own plugin loader.
+process with the plugin loaded by sglang's own plugin loader and sglang's torch fallbacks
+selected by its own switches (``SGLANG_FORCE_FUSED_OP_BACKEND=torch``, the mHC ones).
+
+The layer's forward needs sglang's DSv4 attention backend, which has no CPU path: each target
+that runs on the CPU (the MoE block, which takes ``forward_batch``, and the two layer norms)
+is called as the layer calls it, with sglang's own ``ForwardBatch``, in the decode mode as the
+layer's splice sets it.
 """
 
 from __future__ import annotations
@@ -11,13 +17,19 @@ from __future__ import annotations
 import pytest
 from test_sglang_plugin import ENV_DIR, run_python
 
-# sglang's classes the plugin must keep as leaves, by the base class that makes them one.
-LEAF_BASES = {"LinearBase", "FusedMoE", "RadixAttention", "BaseFusedOp"}
+# sglang's classes the plugin keeps as leaves whatever the backend, by the base class that makes them one.
+KERNEL_BASES = {"LinearBase", "FusedMoE", "RadixAttention"}
+CALLED = ("mlp", "input_layernorm", "post_attention_layernorm")
+TOKENS = ("4", "1", "13")
 
 
 @pytest.fixture(scope="module")
 def layers():
     return run_python(ENV_DIR / "layer_scenarios.py", {"FUSER_ENABLE": "1"})
+
+
+def called_targets(layers):
+    return [(name, call) for name, call in layers["calls"].items()]
 
 
 def test_the_fixture_builds_every_variant(layers):
@@ -30,45 +42,108 @@ def test_default_layer_names_match_on_cuda_and_on_the_platform_alias(layers):
     assert layers["matches"] == {"DeepseekV4CudaDecoderLayer": True, "DeepseekV4PlatformDecoderLayer": True}
 
 
-def test_gemms_experts_attention_and_sglang_kernels_are_leaves(layers):
+def test_gemms_experts_attention_and_the_compressor_are_leaves(layers):
     kinds = {"ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear",
-             "FusedMoE", "RadixAttention", "RMSNorm", "TopK", "SiluAndMul", "Compressor"}
+             "FusedMoE", "RadixAttention", "Compressor"}
     seen = {(p, c, d) for decisions in layers["decisions"] for p, c, d in decisions if c in kinds}
+    seen |= {(f"mlp.{p}", c, "leaf") for p, c in layers["moe_leaves"].items()}  # kept opaque in its trace
     assert {c for _, c, _ in seen} == kinds
     assert {d for _, _, d in seen} == {"leaf"}
+    assert layers["moe_leaves"] == {"experts": "FusedMoE", "shared_experts.gate_up_proj": "MergedColumnParallelLinear",
+                                    "shared_experts.down_proj": "RowParallelLinear"}
     for path, bases in layers["leaf_bases"].items():
-        assert LEAF_BASES & set(bases), (path, bases)
+        # The compressor is a fused op that takes forward_batch (it writes the KV cache).
+        assert KERNEL_BASES & set(bases) or "BaseFusedOp" in bases, (path, bases)
 
 
-def test_modules_taking_forward_batch_are_searched_not_traced(layers):
-    searched = {(p, c) for decisions in layers["decisions"] for p, c, d in decisions if d == "searched"}
-    assert {("self_attn", "MQALayer"), ("mlp", "DeepseekV2MoE"), ("mlp.gate", "MoEGate"),
-            ("mlp.shared_experts", "DeepseekV2MLP"), ("self_attn.indexer", "C4Indexer")} <= searched
+def test_fused_ops_running_their_torch_reference_are_glue_and_with_a_kernel_backend_leaves(layers):
+    glue = {(p, c) for decisions in layers["decisions"] for p, c, d in decisions
+            if c in {"RMSNorm", "RotaryEmbedding", "DeepseekScalingRotaryEmbedding"}}
+    targets = {(p, c) for decisions in layers["decisions"] for p, c, d in decisions if d == "target"}
+    assert glue and glue <= targets
+    assert set(layers["kernel_backend_leaves"].values()) == {"leaf"}
+    assert {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm"} <= set(layers["kernel_backend_leaves"])
 
 
-def test_the_only_target_is_the_hash_router(layers):
-    targets = [[(p, c) for p, c, d in decisions if d == "target"] for decisions in layers["decisions"]]
-    assert targets == [[("mlp.topk", "HashTopK")], [], []]
+def test_attention_is_searched_and_the_moe_block_taking_forward_batch_is_a_target(layers):
+    for decisions in layers["decisions"]:
+        decided = {p: (c, d) for p, c, d in decisions}
+        assert decided["self_attn"] == ("MQALayer", "searched")
+        assert decided["mlp"] == ("DeepseekV2MoE", "target")
+        assert not any(p.startswith("mlp.") for p in decided)  # traced, not searched
+    assert ("C4Indexer", "searched") == {p: (c, d) for p, c, d in layers["decisions"][1]}["self_attn.indexer"]
 
 
-def test_nothing_is_wrapped_for_no_glue(layers):
-    # Layers 1 and 2 (top-k routing) have no target: they are not spliced, and say why.
-    assert layers["spliced"] == ["layers.0", "layers.3"]
-    assert layers["wrapped"] == ["layers.0", "layers.0.mlp.topk", "layers.3", "layers.3.mlp.topk"]
-    skipped = [m for m in layers["install_log"] if "no submodule to fuse" in m]
-    assert [m.split(" ")[1] for m in skipped] == ["layers.1", "layers.2"]
+def test_every_layer_is_spliced_with_its_targets(layers):
+    assert layers["spliced"] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert layers["install_log"] == []
+    for name, targets in layers["targets"].items():
+        assert {f"{name}.{path}" for path in CALLED} <= set(targets)
+        assert f"{name}.self_attn" not in targets
 
 
-def test_an_untraceable_target_stays_eager_logged_with_file_and_line(layers):
-    topk = layers["hash_topk"]
-    assert topk["state"] == "eager" and topk["same"] and topk["forward_left"] is False
-    (message,) = topk["log"]
-    assert message.startswith("fuser: layers.0.mlp.topk left eager:") and "hash_topk.py:242" in message
+def test_each_called_target_is_fused_at_its_first_decode_call(layers):
+    for name, call in called_targets(layers):
+        assert call["state"] == "fused", (name, call["log"])
+        (message,) = call["log"]
+        assert message.startswith(f"fuser: {name} fused:")
+        assert call["fused_graph_runs"] == 2, name  # the two later decode calls ran the fused graph
+
+
+def test_what_each_target_fuses_is_glue_never_a_gemm(layers):
+    for name, call in called_targets(layers):
+        before, after = call["launches"]
+        assert after < before, (name, call["launches"])
+        assert call["gemm_in_a_chain"] == [], name
+    for i in range(3):
+        assert layers["calls"][f"layers.{i}.input_layernorm"]["launches"][1] == 1  # the norm is one kernel
+        assert layers["calls"][f"layers.{i}.post_attention_layernorm"]["launches"][1] == 1
+
+
+def test_the_hash_router_stays_a_leaf_inside_the_fused_moe_block_with_file_and_line(layers):
+    (leaf,) = layers["calls"]["layers.0.mlp"]["automatic_leaves"]
+    assert leaf["name"] == "topk" and leaf["where"].endswith("hash_topk.py:242")
+    assert [c["automatic_leaves"] for n, c in called_targets(layers) if n != "layers.0.mlp"] == [[]] * 8
+
+
+def test_decode_calls_at_several_batch_sizes_match_eager(layers):
+    for name, call in called_targets(layers):
+        assert set(call["errors"]) == set(TOKENS), name
+        for tokens, error in call["errors"].items():
+            assert isinstance(error, float), (name, tokens, error)  # else fuser.tolerance.LAYER's mismatch
+        assert all(left * 4 <= int(tokens) for tokens, left in call["left_out_rows"].items())
+
+
+def test_a_call_in_another_forward_mode_runs_the_modules_own_code(layers):
+    for name, call in called_targets(layers):
+        assert call["extend_took_fused_path"] is False, name
+        assert call["extend_same_as_own_code"] is True, name
+
+
+def test_engine_wide_flags_read_by_the_trace_are_guarded(layers):
+    backend = "sglang.kernels.fused_op.get_fused_op_backend()"
+    piecewise = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager"
+                 ".is_in_tc_piecewise_cuda_graph()")
+    for name, call in called_targets(layers):
+        expected = {backend, piecewise} if name.endswith(".mlp") else {backend}
+        assert set(call["globals_read"]) == expected, name
+        assert call["globals_read"][backend] == "<KernelBackend.TORCH: 'torch'>"
+
+
+def test_a_call_where_a_global_differs_runs_the_original_code(layers):
+    runs = layers["fused_op_backend_changed"]
+    assert runs["as fused"] == 1
+    assert runs["backend unset"] == 1  # set_fused_op_backend(None): the module's own dispatch ran
+    # Inside sglang's piecewise graph the module's own code took its piecewise path (a CUDA-only op).
+    assert runs["piecewise error"] == "Could not run 'sglang::moe_forward_piecewise_cuda_graph_impl'"
+    assert runs["inside a piecewise graph"] == 1
+    assert runs["back as fused"] == 2
+    assert runs["backend"] == "KernelBackend.TORCH"
 
 
 def test_each_layers_mhc_glue_is_fused_through_the_compile_seam(layers):
     seam = {}
-    for entry in layers["seam"]:
+    for entry in layers["seam_summary"]:
         seam.setdefault(entry["name"].split(" ")[0].rsplit(".", 1)[-1], []).append(entry)
     assert [e["state"] for e in seam["hc_pre_torch_impl"]] == ["fused"] * 3  # one per layer
     assert [e["state"] for e in seam["post_torch_impl"]] == ["fused"]
@@ -79,4 +154,4 @@ def test_each_layers_mhc_glue_is_fused_through_the_compile_seam(layers):
 
 
 def test_fused_mhc_glue_matches_eager_on_every_layer(layers):
-    assert {k: v for k, v in layers["errors"].items() if not v <= 1e-5} == {}
+    assert {k: v for k, v in layers["seam"].items() if not v <= 1e-5} == {}

@@ -4,7 +4,15 @@ Run by tests/test_sglang_layer.py with this folder on PYTHONPATH. sglang's
 ``DeepseekV4CudaDecoderLayer`` (and the ``DeepseekV4DecoderLayer`` alias, the platform class
 off CUDA) is built as sglang ships it: a tiny config, compress ratios 0, 4 and 128, hash and
 top-k routing, world size 1 on gloo, inside ``layer_stack``. sglang's torch fallbacks are
-selected; the TileLang Sinkhorn, which has no CPU path, is sglang's own torch reference.
+selected with its own switches (:data:`sglang_cpu.TORCH_FALLBACKS`); the TileLang Sinkhorn,
+which has no CPU path, is sglang's own torch reference.
+
+The layer's forward cannot run here: its attention (``MQALayer`` through the DSv4 attention
+backend, its compressor and indexer) has no CPU path, and sglang ships no torch reference of
+it. So each selected target that runs on the CPU (the MoE block, the two layer norms) is called
+as the layer calls it, with sglang's own ``ForwardBatch``, inside the decode mode exactly as the
+layer's splice sets it for a ``forward_mode.is_decode()`` call; outside it, as the splice leaves
+any other call.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 from sglang_cpu import (
     build_dsv4_layers,
     captured_log,
+    decode_batch,
     fail_on_torch_compile,
     init_single_process_dist,
     pretend_capturing,
@@ -24,7 +33,15 @@ from sglang_cpu import (
     use_torch_fallbacks,
 )
 
+from fuser.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
+
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+#: The targets called here: those whose code runs on the CPU (the attention's do not).
+CALLED = ("mlp", "input_layernorm", "post_attention_layernorm")
+#: Token counts of the decode calls, the first one (sglang's warm-up) fusing.
+TOKENS = (4, 1, 13)
+GEMM_OPS = ("linear", "mm", "matmul", "bmm", "addmm", "einsum")
 
 
 def main() -> dict:
@@ -35,10 +52,10 @@ def main() -> dict:
     load_plugins()  # FUSER_ENABLE=1: the compile seam and the initialize hook
     init_single_process_dist()
     sinkhorn_on_cpu()
-    from sglang.srt.model_executor.runner_utils import capture_mode
     from sglang.srt.models import deepseek_v4
 
     from fuser import sglang_plugin, sglang_seam
+    from fuser.serving import leaf_paths
 
     compiled = fail_on_torch_compile()
     config, layers = build_dsv4_layers(deepseek_v4.DeepseekV4CudaDecoderLayer)
@@ -47,8 +64,12 @@ def main() -> dict:
     out["routing"] = [type(layer.mlp.topk).__name__ for layer in layers]
     out["ratios"] = [layer.self_attn.compress_ratio for layer in layers]
     out["decisions"] = [sglang_plugin.decisions(layer) for layer in layers]
-    out["leaf_bases"] = {path: [c.__name__ for c in type(layers[0].get_submodule(path)).__mro__]
-                         for path, _, decision in out["decisions"][0] if decision == "leaf"}
+    out["leaf_bases"] = {path: [c.__name__ for c in type(layers[1].get_submodule(path)).__mro__]
+                         for path, _, decision in out["decisions"][1] if decision == "leaf"}
+    out["kernel_backend_leaves"] = fused_ops_with_a_kernel_backend(layers[1])
+    # What the MoE block's trace keeps opaque (it is a target: its children get no decision).
+    out["moe_leaves"] = {path: type(layers[1].mlp.get_submodule(path)).__name__
+                         for path in leaf_paths(layers[1].mlp, sglang_plugin.is_leaf)}
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([*layers, *alias_layers])
@@ -56,36 +77,206 @@ def main() -> dict:
         splices = sglang_plugin.install(model, sglang_plugin.Options.from_env())
     out["install_log"] = messages
     out["spliced"] = [s.name for s in splices]
-    out["wrapped"] = sorted(name for name, m in model.named_modules() if "forward" in m.__dict__)
+    out["targets"] = {s.name: [t.name for t in s.targets] for s in splices}
     out["matches"] = {type(layer).__name__: sglang_plugin.layer_class_matches(type(layer), sglang_plugin.DEFAULT_LAYERS)
                       for layer in model.layers}
 
-    # The one target of the hash layer: sglang's HashTopK, at its first decode call (the
-    # layer's forward, which needs sglang's attention backend, cannot run here: the mode is
-    # set as the splice sets it).
+    out["calls"] = {}
+    for i, layer in enumerate(layers):
+        targets = {t.name.split(".", 2)[2]: t for t in splices[i].targets}
+        for path in CALLED:
+            out["calls"][f"layers.{i}.{path}"] = drive(layer, path, targets[path], config)
+    out["fused_op_backend_changed"] = backend_changed_runs_eager(layers[1], splices[1], config)
+    out["seam"] = mhc_through_the_seam(layers, config)
+    out["seam_summary"] = sglang_seam.seam().summary()
+    out["torch_compile_calls"] = compiled
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# The targets, called as the layer calls them
+# ------------------------------------------------------------------------------------------
+
+
+def call_target(layer, path: str, hidden: torch.Tensor, batch):
+    """``layer.<path>`` called as ``DeepseekV4CudaDecoderLayer.forward`` and its boundaries call it."""
+    if path == "mlp":
+        return layer.mlp(hidden, batch, input_ids=batch.input_ids, input_ids_global=batch.input_ids,
+                         skip_shared_experts=False, return_moe_output=False, leave_output_sum=True)
+    return layer.get_submodule(path)(hidden)
+
+
+def tensors_of(result) -> list[torch.Tensor]:
+    """The tensors of a target's result (the MoE block returns sglang's ``MoEOutput``)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [result.routed, result.shared]
+
+
+class counting:
+    """Counts the runs of a fused target's fused graph (not of its guarded forward, which
+    may still run the module's own code)."""
+
+    def __init__(self, target):
+        from fuser.splice import STATE_ATTR
+
+        self.calls = 0
+        state = target.fused_module.__dict__[STATE_ATTR]
+        graph = state.fused
+
+        def fused(module, *args):
+            self.calls += 1
+            return graph(module, *args)
+
+        state.fused = fused
+
+
+def near_ties(layer, hidden: torch.Tensor) -> set[int]:
+    """Tokens whose top-k expert choice is a near tie (sglang's ``TopK`` picks on the biased
+    sqrt-softplus score): there a last-bit difference picks the other expert, and both are right."""
+    if type(layer.mlp.topk).__name__ != "TopK":
+        return set()  # hash routing: the ids pick the experts
+    logits = torch.nn.functional.linear(hidden, layer.mlp.gate.weight).float()
+    score = torch.nn.functional.softplus(logits).sqrt() + layer.mlp.gate.e_score_correction_bias
+    return near_tie_rows(score, layer.mlp.topk.topk_config.top_k)
+
+
+def compare(got, expected, rows) -> float | str:
+    """The largest normwise relative error of the tensors, or the mismatch (fuser's layer tolerance)."""
+    worst = 0.0
+    for i, (a, e) in enumerate(zip(tensors_of(got), tensors_of(expected))):
+        if rows is not None:
+            a, e = a[rows], e[rows]
+        problem = mismatch(a, e, f"output {i}", LAYER)
+        if problem:
+            return problem
+        worst = max(worst, float((a.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30)))
+    return worst
+
+
+def drive(layer, path: str, target, config) -> dict:
+    """Decode calls of one target at every token count (the first fuses it), each against the
+    module's own forward; then a call in another mode."""
     from fuser import serving
 
-    (target,) = splices[0].targets
-    tokens = 5
-    g = torch.Generator().manual_seed(2)
-    hidden = torch.randn(tokens, config.hidden_size, generator=g).bfloat16()
-    logits = torch.randn(tokens, config.n_routed_experts, generator=g)
-    ids = torch.randint(0, config.vocab_size, (tokens,), generator=g)
-    with torch.no_grad(), captured_log() as messages:
-        expected = target.module_forward(hidden, logits, ids)
-        serving._MODE.depth = 1
-        try:
-            got = layers[0].mlp.topk(hidden, logits, ids)
-            again = layers[0].mlp.topk(hidden, logits, ids)
-        finally:
-            serving._MODE.depth = 0
-    out["hash_topk"] = {"name": target.name, "state": target.state, "log": messages,
-                        "same": all(torch.equal(a, b) for a, b in zip(got[:2], expected[:2]))
-                        and all(torch.equal(a, b) for a, b in zip(again[:2], expected[:2])),
-                        "forward_left": "forward" in layers[0].mlp.topk.__dict__}
+    g = torch.Generator().manual_seed(7)
+    result = {"errors": {}, "left_out_rows": {}}
+    spy = None
+    for tokens in TOKENS:
+        hidden = torch.randn(tokens, config.hidden_size, generator=g).bfloat16()
+        batch = decode_batch(tokens)
+        with torch.no_grad():
+            eager = call_target(layer, path, hidden, batch)  # outside the mode: the module's own code
+            serving._MODE.depth = 1
+            try:
+                with captured_log() as messages:
+                    fused = call_target(layer, path, hidden, batch)
+            finally:
+                serving._MODE.depth = 0
+        if spy is None:
+            result["log"] = messages
+            result["state"] = target.state
+            if target.state != "fused":
+                return result
+            spy = counting(target)
+        rows = rows_besides_ties(near_ties(layer, hidden) if path == "mlp" else set(), tokens)
+        result["errors"][tokens] = compare(fused, eager, rows)
+        result["left_out_rows"][tokens] = 0 if rows is None else tokens - len(rows)
+    result["fused_graph_runs"] = spy.calls  # the first call ran before the spy was in place
+    report = target.report
+    result["launches"] = [report.launches_before, report.launches_after]
+    result["chains"] = [{"pattern": c.pattern, "nodes": c.nodes, "launches": c.launches_replaced} for c in report.chains]
+    result["gemm_in_a_chain"] = [n for c in report.chains for n in c.nodes if n.rstrip("_0123456789") in GEMM_OPS]
+    result["automatic_leaves"] = report.automatic_leaves
+    result["globals_read"] = {k: repr(v) for k, v in target.globals.read().items()}
 
-    # sglang's own hc_pre of each real layer, and its post, in capture mode: fused at the
-    # warm-up, the fused forward in the (pretended) capture, never torch.compile.
+    # Another forward_mode: the splice runs the layer outside the mode; the module's own code runs.
+    tokens = 3
+    hidden = torch.randn(tokens, config.hidden_size, generator=g).bfloat16()
+    before = spy.calls
+    with torch.no_grad():
+        other = call_target(layer, path, hidden, decode_batch(tokens, "EXTEND"))
+        expected = target.module.__class__.forward(target.module, *split_call(layer, path, hidden, decode_batch(tokens, "EXTEND")))
+    result["extend_took_fused_path"] = spy.calls != before
+    result["extend_same_as_own_code"] = all(torch.equal(a, b) for a, b in zip(tensors_of(other), tensors_of(expected)))
+    return result
+
+
+def split_call(layer, path, hidden, batch) -> tuple:
+    """The positional arguments of ``call_target`` for the class's own forward."""
+    if path == "mlp":
+        return (hidden, batch, None, batch.input_ids, batch.input_ids, False, False, True)
+    return (hidden,)
+
+
+def backend_changed_runs_eager(layer, splice, config) -> dict:
+    """sglang's process-wide fused-op backend changed after fusion (``set_fused_op_backend``):
+    the targets that ran its torch reference run their own code again."""
+    from sglang.kernels.fused_op import KernelBackend, get_fused_op_backend, set_fused_op_backend
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+        enable_tc_piecewise_cuda_graph,
+    )
+
+    from fuser import serving
+
+    target = next(t for t in splice.targets if t.name.endswith(".mlp"))
+    spy = counting(target)
+    hidden = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    calls = {}
+    serving._MODE.depth = 1
+    try:
+        with torch.no_grad():
+            call_target(layer, "mlp", hidden, decode_batch(2))
+            calls["as fused"] = spy.calls
+            set_fused_op_backend(None)
+            try:
+                call_target(layer, "mlp", hidden, decode_batch(2))
+                calls["backend unset"] = spy.calls
+            finally:
+                set_fused_op_backend(KernelBackend.TORCH)
+            # Inside sglang's piecewise CUDA graph the MoE's own code takes another path: the
+            # custom op ``sglang::moe_forward_piecewise_cuda_graph_impl``, which has no CPU
+            # kernel. Its error says that this call ran the module's own code.
+            try:
+                with enable_tc_piecewise_cuda_graph():
+                    call_target(layer, "mlp", hidden, decode_batch(2))
+                calls["piecewise error"] = None
+            except NotImplementedError as e:
+                calls["piecewise error"] = str(e).split(" with arguments")[0]
+            calls["inside a piecewise graph"] = spy.calls
+            call_target(layer, "mlp", hidden, decode_batch(2))
+            calls["back as fused"] = spy.calls
+    finally:
+        serving._MODE.depth = 0
+    calls["backend"] = str(get_fused_op_backend())
+    return calls
+
+
+def fused_ops_with_a_kernel_backend(layer) -> dict:
+    """The plugin's decision on sglang's fused ops when their backend is a kernel (forced to
+    Triton here: what a CUDA machine's dispatch picks): leaves."""
+    from sglang.kernels.fused_op import KernelBackend, set_fused_op_backend
+
+    from fuser import sglang_plugin
+
+    set_fused_op_backend(KernelBackend.TRITON)
+    try:
+        return {path: decision for path, _, decision in sglang_plugin.decisions(layer)
+                if sglang_plugin.is_fused_op(layer.get_submodule(path))}
+    finally:
+        set_fused_op_backend(KernelBackend.TORCH)
+
+
+# ------------------------------------------------------------------------------------------
+# The mHC glue, through the compile seam
+# ------------------------------------------------------------------------------------------
+
+
+def mhc_through_the_seam(layers, config) -> dict:
+    """sglang's own hc_pre of each real layer, and its post, in capture mode: fused at the
+    warm-up, the fused forward in the (pretended) capture, never torch.compile."""
+    from sglang.srt.model_executor.runner_utils import capture_mode
+
     g = torch.Generator().manual_seed(1)
     results = {}
     with torch.no_grad():
@@ -103,11 +294,8 @@ def main() -> dict:
             results[f"layer {i}"] = max(float((a.float() - b.float()).abs().max())
                                         for a, b in [*zip(warm[:3], eager[:3]), *zip(captured[:3], eager[:3]),
                                                      (post, post_eager)])
-    out["errors"] = results
-    out["seam"] = sglang_seam.seam().summary()
-    out["torch_compile_calls"] = compiled
-    return out
+    return results
 
 
 if __name__ == "__main__":
-    print("FUSER-RESULT " + json.dumps(main()))
+    print("FUSER-RESULT " + json.dumps(main(), default=str))

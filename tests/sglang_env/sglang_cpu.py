@@ -4,7 +4,10 @@
   as ``sglang.test.layer_ut_utils.init_single_process_dist`` does (that module imports
   sglang's benchmark datasets, which need packages the tests do not install).
 * :func:`use_torch_fallbacks`: sglang's own switches for its torch paths of the mHC
-  (``SGLANG_OPT_USE_TILELANG_MHC_PRE=0`` and friends); set before sglang reads them.
+  (``SGLANG_OPT_USE_TILELANG_MHC_PRE=0`` and friends) and of its fused ops
+  (``SGLANG_FORCE_FUSED_OP_BACKEND=torch``: RMSNorm, TopK, SiluAndMul run ``forward_native``);
+  set before sglang reads them.
+* :func:`decode_batch`: sglang's own ``ForwardBatch`` for a call of ``tokens`` tokens.
 * :func:`sinkhorn_on_cpu`: the TileLang Sinkhorn has no CPU path; sglang's own torch
   reference (``sglang.test.kernels.mhc``) takes its place.
 * :class:`captured_log`, :func:`fail_on_torch_compile`: what the scenarios observe.
@@ -23,11 +26,24 @@ TORCH_FALLBACKS = {
     "SGLANG_OPT_DEEPGEMM_HC_PRENORM": "0",
     "SGLANG_OPT_USE_FLASHINFER_MHC": "0",
     "SGLANG_OPT_USE_FUSED_HASH_TOPK": "0",
+    "SGLANG_FORCE_FUSED_OP_BACKEND": "torch",
 }
 
 
 def use_torch_fallbacks() -> None:
     os.environ.update(TORCH_FALLBACKS)
+
+
+def decode_batch(tokens: int, mode_name: str = "DECODE"):
+    """sglang's ``ForwardBatch`` for ``tokens`` requests of one token each, in ``mode_name``
+    (a ``ForwardMode``): the fields a layer's MoE reads; no attention metadata (the DSv4
+    attention backend has no CPU path)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    ids = torch.arange(tokens) % 97
+    return ForwardBatch(forward_mode=ForwardMode[mode_name], batch_size=tokens, input_ids=ids,
+                        req_pool_indices=torch.arange(tokens), seq_lens=torch.full((tokens,), 7),
+                        out_cache_loc=torch.arange(tokens), seq_lens_sum=7 * tokens)
 
 
 def init_single_process_dist(port: int = 29632) -> None:
