@@ -243,18 +243,24 @@ class GlobalReads:
 
     @contextlib.contextmanager
     def recording(self):
+        """Inside the block every call of the functions is recorded (:meth:`check` says whether
+        what was recorded can be guarded)."""
         replaced = []  # (namespace, name, original)
         with _GLOBALS_LOCK:
             try:
+                holders = _holders(self.functions.values())
                 for path, function in self.functions.items():
                     recorder = self._recorder(path, function)
-                    for namespace, name in _holders(function):
+                    for namespace, name in holders[id(function)]:
                         replaced.append((namespace, name, function))
                         namespace[name] = recorder
                 yield self
             finally:
                 for namespace, name, original in reversed(replaced):
                     namespace[name] = original
+
+    def check(self) -> None:
+        """Raise :class:`Unfusable` when a read cannot be guarded."""
         if self.problem is not None:
             raise Unfusable(self.problem)
 
@@ -285,18 +291,28 @@ class GlobalReads:
 _GLOBALS_LOCK = threading.RLock()
 
 
-def _holders(function: Callable) -> list[tuple[dict, str]]:
-    """Every (module namespace, name) that holds ``function``: its own module and each module
-    that imported it by name."""
-    holders = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, value in list(namespace.items()):
-            if value is function:
-                holders.append((namespace, name))
-    return holders
+_HOLDERS: dict = {}  # (function ids, number of modules loaded) -> holders
+
+
+def _holders(functions: Iterable[Callable]) -> dict[int, list[tuple[dict, str]]]:
+    """For each function (by id): every (module namespace, name) that holds it, its own module
+    and each module that imported it by name. One pass over the loaded modules, kept until
+    another module loads."""
+    functions = list(functions)
+    key = (tuple(id(f) for f in functions), len(sys.modules))
+    if key not in _HOLDERS:
+        wanted = {id(f) for f in functions}
+        found = {id(f): [] for f in functions}
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                if id(value) in wanted and callable(value):
+                    found[id(value)].append((namespace, name))
+        _HOLDERS.clear()
+        _HOLDERS[key] = found
+    return _HOLDERS[key]
 
 
 def _plain_value(value) -> bool:
@@ -451,6 +467,7 @@ class LazyFusion:
             with self.globals.recording():
                 self.report = fuse_now(self.fused_module, args, kwargs, self.options, leaves,
                                        guard=lambda *a, **k: self.takes_fused_path())
+            self.globals_guardable()
         except Unfusable as e:
             self.state = "eager"  # and unwrapped: nothing of fuser's stays on the module
             give_up(self.name, str(e), self.options)
@@ -466,6 +483,16 @@ class LazyFusion:
                  self.report.launches_after, f" (guarded on {read})" if read else "")
         if self.on_fused is not None:
             self.on_fused(self)
+
+    def globals_guardable(self) -> None:
+        """Raise :class:`Unfusable`, leaving the module unfused, when a global read cannot be guarded."""
+        from fuser.splice import restore
+
+        try:
+            self.globals.check()
+        except Unfusable:
+            restore(self.fused_module)
+            raise
 
     def remove(self) -> None:
         from fuser.splice import is_fused, restore

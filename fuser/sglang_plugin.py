@@ -23,11 +23,15 @@ process (they are spawned: a patch made in the launcher would never reach the mo
   ``DeepseekV4DecoderLayer`` is the CUDA class on CUDA and the platform class elsewhere)
   under a :class:`fuser.serving.ModeSplice` that only ``forward_batch.forward_mode.is_decode()``
   calls take. Inside a layer, the fusion targets are the topmost submodules that are not
-  sglang leaves (:func:`is_leaf`: ``LinearBase`` GEMMs, ``FusedMoE``, ``RadixAttention``,
-  every ``BaseFusedOp``) and whose forward — the method sglang calls — takes no
-  ``forward_batch``. Each is fused at its first decode call (sglang's warm-ups), with that
-  call's inputs as the example. Values fuser computes from weights at fuse time are declared
-  through ``model._derived_weight_cache_error``: a weight update must re-run fuser.
+  sglang leaves (:func:`is_leaf`: ``LinearBase`` GEMMs, ``FusedMoE``, ``RadixAttention``, and
+  every ``BaseFusedOp`` that runs a kernel; one that runs its torch reference is glue) and
+  that do not pass ``forward_batch`` into a leaf that requires it (attention: those are
+  searched). A target that takes ``forward_batch`` (DeepSeek-V4's MoE block) is traced with
+  it as state. Each target is fused at its first decode call (sglang's warm-ups), with that
+  call's inputs as the example; the engine-wide flags its trace reads
+  (:data:`GLOBAL_READS`: capture and piecewise-graph modes, the fused-op backend) are guarded
+  at every call. Values fuser computes from weights at fuse time are declared through
+  ``model._derived_weight_cache_error``: a weight update must re-run fuser.
 
 Configuration (environment, inherited by the scheduler processes):
 
