@@ -155,3 +155,16 @@ def test_each_layers_mhc_glue_is_fused_through_the_compile_seam(layers):
 
 def test_fused_mhc_glue_matches_eager_on_every_layer(layers):
     assert {k: v for k, v in layers["seam"].items() if not v <= 1e-5} == {}
+
+
+def test_the_moe_blocks_capture_mode_read_is_guarded(layers):
+    # With the side stream sglang gives the MoE on CUDA, DeepseekV2MoE.forward reads
+    # get_is_capture_mode() (deepseek_v2.py:1100): traced as False, guarded at every call.
+    read = layers["capture_mode_read"]
+    assert read["state"] == "fused"
+    assert read["globals_read"]["sglang.srt.model_executor.runner_utils.capture_mode.get_is_capture_mode()"] == "False"
+    assert read["fused_runs"] == 1
+    # In capture mode the module's own code ran, into its dual-stream path (CUDA streams: it
+    # stops there on the CPU); the fused graph did not run.
+    assert "forward_normal_dual_stream" in read["capture_call_ran"]
+    assert read["fused_runs_after_capture_call"] == 1

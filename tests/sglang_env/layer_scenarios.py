@@ -87,6 +87,7 @@ def main() -> dict:
         for path in CALLED:
             out["calls"][f"layers.{i}.{path}"] = drive(layer, path, targets[path], config)
     out["fused_op_backend_changed"] = backend_changed_runs_eager(layers[1], splices[1], config)
+    out["capture_mode_read"] = capture_mode_read_is_guarded(deepseek_v4.DeepseekV4CudaDecoderLayer, config)
     out["seam"] = mhc_through_the_seam(layers, config)
     out["seam_summary"] = sglang_seam.seam().summary()
     out["torch_compile_calls"] = compiled
@@ -234,9 +235,10 @@ def backend_changed_runs_eager(layer, splice, config) -> dict:
                 calls["backend unset"] = spy.calls
             finally:
                 set_fused_op_backend(KernelBackend.TORCH)
-            # Inside sglang's piecewise CUDA graph the MoE's own code takes another path: the
-            # custom op ``sglang::moe_forward_piecewise_cuda_graph_impl``, which has no CPU
-            # kernel. Its error says that this call ran the module's own code.
+            # Inside sglang's piecewise CUDA graph the MoE block's own code takes another path:
+            # its experts (FusedMoE.forward, fused_moe_triton/layer.py:1670, a leaf whose read
+            # the guard compares too) call ``sglang::moe_forward_piecewise_cuda_graph_impl``,
+            # which has no CPU kernel. Its error says that this call ran the module's own code.
             try:
                 with enable_tc_piecewise_cuda_graph():
                     call_target(layer, "mlp", hidden, decode_batch(2))
@@ -250,6 +252,48 @@ def backend_changed_runs_eager(layer, splice, config) -> dict:
         serving._MODE.depth = 0
     calls["backend"] = str(get_fused_op_backend())
     return calls
+
+
+def capture_mode_read_is_guarded(layer_class, config) -> dict:
+    """``DeepseekV2MoE.forward`` reads ``get_is_capture_mode()`` (deepseek_v2.py:1100) when its
+    MoE has a side stream, which sglang gives it on CUDA only (``alt_streams[0]``,
+    deepseek_v4.py:3143). With one given here (an object: the non-capture path never uses it),
+    the trace reads the flag; in capture mode the guard sends the call to the module's own code,
+    which takes its dual-stream path (``forward_normal_dual_stream``: CUDA streams, so it stops
+    on the CPU, which says where it went)."""
+    import traceback
+
+    from sglang.srt.model_executor.runner_utils import capture_mode
+
+    from fuser import serving, sglang_plugin
+
+    _, (_, layer) = build_dsv4_layers(layer_class, (0, 0))  # the second layer routes by top-k
+    layer.mlp.alt_stream = object()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    (splice,) = sglang_plugin.install(model, sglang_plugin.Options.from_env())
+    target = next(t for t in splice.targets if t.name.endswith(".mlp"))
+    hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    result = {}
+    serving._MODE.depth = 1
+    try:
+        with torch.no_grad():
+            call_target(layer, "mlp", hidden, decode_batch(3))
+            result["state"] = target.state
+            result["globals_read"] = {k: repr(v) for k, v in target.globals.read().items()}
+            spy = counting(target)
+            call_target(layer, "mlp", hidden, decode_batch(3))
+            result["fused_runs"] = spy.calls
+            try:
+                with capture_mode.model_capture_mode():
+                    call_target(layer, "mlp", hidden, decode_batch(3))
+                result["capture_call_ran"] = []
+            except Exception as e:  # noqa: BLE001 - where the module's own code went
+                result["capture_call_ran"] = [frame.name for frame in traceback.extract_tb(e.__traceback__)]
+            result["fused_runs_after_capture_call"] = spy.calls
+    finally:
+        serving._MODE.depth = 0
+    return result
 
 
 def fused_ops_with_a_kernel_backend(layer) -> dict:
