@@ -61,8 +61,10 @@ def test_fused_ops_running_their_torch_reference_are_glue_and_with_a_kernel_back
             if c in {"RMSNorm", "RotaryEmbedding", "DeepseekScalingRotaryEmbedding"}}
     targets = {(p, c) for decisions in layers["decisions"] for p, c, d in decisions if d == "target"}
     assert glue and glue <= targets
-    assert set(layers["kernel_backend_leaves"].values()) == {"leaf"}
-    assert {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm"} <= set(layers["kernel_backend_leaves"])
+    kernel_backend = layers["kernel_backend_leaves"]
+    assert set(kernel_backend["fused_ops"].values()) == {"leaf"}
+    assert {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm"} <= set(kernel_backend["fused_ops"])
+    assert kernel_backend["targets"] == ["mlp"]  # the MoE block alone
 
 
 def test_attention_is_searched_and_the_moe_block_taking_forward_batch_is_a_target(layers):

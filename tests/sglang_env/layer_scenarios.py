@@ -305,8 +305,10 @@ def fused_ops_with_a_kernel_backend(layer) -> dict:
 
     set_fused_op_backend(KernelBackend.TRITON)
     try:
-        return {path: decision for path, _, decision in sglang_plugin.decisions(layer)
-                if sglang_plugin.is_fused_op(layer.get_submodule(path))}
+        decisions = sglang_plugin.decisions(layer)
+        fused_ops = {path: decision for path, _, decision in decisions
+                     if sglang_plugin.is_fused_op(layer.get_submodule(path))}
+        return {"fused_ops": fused_ops, "targets": [path for path, _, d in decisions if d == "target"]}
     finally:
         set_fused_op_backend(KernelBackend.TORCH)
 
