@@ -202,8 +202,46 @@ def is_state(value: Any) -> bool:
 
 
 def with_state_copied(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call with each state object deep-copied: a run of it leaves the caller's state alone."""
-    return pytree.tree_map(lambda v: copy.deepcopy(v) if is_state(v) else v, (tuple(args), dict(kwargs)))
+    """The call with each state object copied (:func:`copy_state`): a run of it leaves the
+    caller's state alone."""
+    return pytree.tree_map(lambda v: copy_state(v) if is_state(v) else v, (tuple(args), dict(kwargs)))
+
+
+def copy_state(value: Any) -> Any:
+    """A copy of a state object for a run that may write into it: a deep copy. Where none can
+    be made (the object holds a process group or a stream, as sglang's ``forward_batch`` does
+    mid-layer, in its residual stream's transport), a copy of the object in which each tensor
+    it holds, where :func:`state_tensors` looks, is cloned, and every other object is shared
+    with the caller's: a run that writes into those writes into the caller's."""
+    try:
+        return copy.deepcopy(value)
+    except (TypeError, RuntimeError, copy.Error):  # an object that cannot be pickled or copied
+        return _tensors_cloned(value, _STATE_DEPTH)
+
+
+def _tensors_cloned(value: Any, depth: int) -> Any:
+    """``value`` with the tensors it holds cloned, ``depth`` levels into its lists, tuples, dicts
+    and attributes (the levels :func:`_tensors_within` walks); other objects shared."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if depth == 0 or isinstance(value, _BY_VALUE) or callable(value):
+        return value
+    if isinstance(value, list):
+        return [_tensors_cloned(v, depth - 1) for v in value]
+    if isinstance(value, tuple):
+        items = [_tensors_cloned(v, depth - 1) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _tensors_cloned(v, depth - 1) for k, v in value.items()}
+    attributes = getattr(value, "__dict__", None)
+    if not attributes:
+        return value
+    try:
+        twin = copy.copy(value)
+    except (TypeError, RuntimeError, copy.Error):
+        return value
+    twin.__dict__.update({k: _tensors_cloned(v, depth - 1) for k, v in attributes.items()})
+    return twin
 
 
 def state_tensors(args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:

@@ -29,7 +29,6 @@ the file, line and reason; what the traced module's own forward cannot trace rai
 from __future__ import annotations
 
 import builtins
-import copy
 import dataclasses
 import operator
 import sys
@@ -53,7 +52,7 @@ from fuser.leaves import (
     patched_leaf_functions,
 )
 from fuser.opaque import is_opaque
-from fuser.signature import CallSpec, StateRead, read_as_value
+from fuser.signature import CallSpec, StateRead, copy_state, read_as_value
 from fuser.where import TraceRefused, calling_line, error_location, is_library_file, refuse
 
 # Module types kept opaque whatever the user says: the heavy ops of a decode layer.
@@ -103,7 +102,7 @@ class Traced:
         cache) copied anew, so that a run never changes the caller's."""
         states = self.call.states if self.call is not None else ()
         values = self.example_inputs if inputs is None else inputs
-        return tuple(copy.deepcopy(v) if n in states else v for n, v in zip(self.input_names, values))
+        return tuple(copy_state(v) if n in states else v for n, v in zip(self.input_names, values))
 
     def batch_dims(self, node: fx.Node) -> tuple[int, ...]:
         """Dimensions of ``node``'s tensor value that follow the batch size."""
@@ -609,8 +608,8 @@ def trace(
     tensors, _ = call.flatten(example_inputs, example_kwargs)
     batch = batch_dims_of(call, tensors, batch_inputs)
     # State (a KV cache) is never touched: the graph's example keeps a copy, the shadows another.
-    pristine = [copy.deepcopy(v) if n in call.states else v for n, v in zip(call.names, tensors)]
-    tensors = [copy.deepcopy(v) if n in call.states else v for n, v in zip(call.names, pristine)]
+    pristine = [copy_state(v) if n in call.states else v for n, v in zip(call.names, tensors)]
+    tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
     grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
     leaves = list(leaves)
     functions = [x for x in leaves if callable(x) and not isinstance(x, type)] + opaque_functions()

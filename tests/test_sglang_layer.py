@@ -92,6 +92,15 @@ def test_each_called_target_is_fused_at_its_first_decode_call(layers):
         assert call["fused_graph_runs"] == 2, name  # the two later decode calls ran the fused graph
 
 
+def test_the_moe_block_fuses_with_forward_batch_as_the_layer_hands_it(layers):
+    # Mid-layer, sglang's residual stream on forward_batch holds a process group: no deep copy
+    # can be made; apply's runs get a copy with its tensors cloned (fuser.signature.copy_state).
+    for i in range(3):
+        call = layers["calls"][f"layers.{i}.mlp"]
+        assert call["batch_deep_copyable"] is False
+        assert call["state"] == "fused"
+
+
 def test_what_each_target_fuses_is_glue_never_a_gemm(layers):
     for name, call in called_targets(layers):
         before, after = call["launches"]

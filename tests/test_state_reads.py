@@ -146,3 +146,42 @@ def test_a_tensor_read_off_the_state_in_another_shape_runs_eager(fused):
     assert why_not(layer, x, batch) == "batch.gain is torch.float32 [1] on cpu, traced as torch.float32 [16] on cpu"
     with torch.no_grad():
         torch.testing.assert_close(layer(x, batch), eager(layer, x, batch))
+
+
+class Uncopyable:
+    """Something a state object may hold that cannot be deep-copied (a process group, a stream:
+    sglang's forward_batch holds one in its residual stream mid-layer)."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot pickle 'ProcessGroup' object")
+
+
+class Writes(nn.Module):
+    """Writes into a tensor of its state through a leaf, as a KV-cache update does."""
+
+    def forward(self, x, batch):
+        self.store(x, batch)
+        return (x * batch.gain).sigmoid() + 1
+
+    @staticmethod
+    @fuser.opaque
+    def store(x, batch):
+        batch.seq_lens.add_(1)
+
+
+def test_a_state_object_that_cannot_be_deep_copied_is_copied_with_its_tensors_cloned():
+    batch = make_batch(4)
+    batch.backend = Uncopyable()
+    seq_lens = batch.seq_lens.clone()
+    layer = Writes()
+    report = fuser.apply(layer, (torch.randn(4, H), batch))
+    try:
+        assert report.launches_after < report.launches_before, report.text()
+        torch.testing.assert_close(batch.seq_lens, seq_lens)  # apply's runs wrote into copies
+        assert isinstance(batch.backend, Uncopyable)
+        x = torch.randn(4, H)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x, batch), (x * batch.gain).sigmoid() + 1)
+        torch.testing.assert_close(batch.seq_lens, seq_lens + 1)  # the call's own state, written once
+    finally:
+        fuser.restore(layer)

@@ -99,6 +99,32 @@ def main() -> dict:
 # ------------------------------------------------------------------------------------------
 
 
+def batch_as_the_layer_has_it(layer, tokens: int, mode_name: str = "DECODE"):
+    """sglang's ``ForwardBatch`` as the layer hands it to its MoE block: the layer stack started
+    on it and the layer's attention boundary run (its mHC pre), so that its residual stream
+    holds what sglang's boundaries put there (among it a process group, which no deep copy
+    can take)."""
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+    from sglang.srt.models.deepseek_v4_boundary import LayerCall
+
+    batch = decode_batch(tokens, mode_name)
+    residual_batch.start(batch)
+    streams = torch.randn(tokens, layer.hc_mult, layer.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        layer.attn_boundary.prepare(streams.bfloat16(), batch, read_context=LayerCall(batch.input_ids, batch.input_ids))
+    return batch
+
+
+def deep_copyable(batch) -> bool:
+    import copy
+
+    try:
+        copy.deepcopy(batch)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
 def call_target(layer, path: str, hidden: torch.Tensor, batch):
     """``layer.<path>`` called as ``DeepseekV4CudaDecoderLayer.forward`` and its boundaries call it."""
     if path == "mlp":
@@ -165,7 +191,7 @@ def drive(layer, path: str, target, config) -> dict:
     spy = None
     for tokens in TOKENS:
         hidden = torch.randn(tokens, config.hidden_size, generator=g).bfloat16()
-        batch = decode_batch(tokens)
+        batch = batch_as_the_layer_has_it(layer, tokens) if path == "mlp" else decode_batch(tokens)
         with torch.no_grad():
             eager = call_target(layer, path, hidden, batch)  # outside the mode: the module's own code
             serving._MODE.depth = 1
@@ -175,6 +201,7 @@ def drive(layer, path: str, target, config) -> dict:
             finally:
                 serving._MODE.depth = 0
         if spy is None:
+            result["batch_deep_copyable"] = deep_copyable(batch)
             result["log"] = messages
             result["state"] = target.state
             if target.state != "fused":
