@@ -318,7 +318,7 @@ def declare_weight_caches(model: torch.nn.Module, target: LazyFusion) -> None:
     """Tell sglang's weight updater that ``target`` holds values computed from weights."""
     from fuser.splice import STATE_ATTR
 
-    state = target.module.__dict__.get(STATE_ATTR)
+    state = target.fused_module.__dict__.get(STATE_ATTR)
     if state is not None and state.constants:
         object.__setattr__(
             model, DERIVED_CACHE_ATTR,

@@ -179,3 +179,11 @@ def test_the_moe_blocks_capture_mode_read_is_guarded(layers):
     # stops there on the CPU); the fused graph did not run.
     assert "forward_normal_dual_stream" in read["capture_call_ran"]
     assert read["fused_runs_after_capture_call"] == 1
+
+
+def test_values_the_fused_moe_block_holds_are_declared_to_sglangs_weight_updater(layers):
+    # The top-k correction bias reaches the trace through sglang's TopKConfig (an object, not a
+    # parameter path): the fused block holds it as a constant (a view of the gate's parameter),
+    # which the plugin declares through model._derived_weight_cache_error.
+    declared = layers["derived_weight_cache_error"]
+    assert declared and ".mlp: " in declared

@@ -86,6 +86,7 @@ def main() -> dict:
         targets = {t.name.split(".", 2)[2]: t for t in splices[i].targets}
         for path in CALLED:
             out["calls"][f"layers.{i}.{path}"] = drive(layer, path, targets[path], config)
+    out["derived_weight_cache_error"] = getattr(model, sglang_plugin.DERIVED_CACHE_ATTR, None)
     out["fused_op_backend_changed"] = backend_changed_runs_eager(layers[1], splices[1], config)
     out["capture_mode_read"] = capture_mode_read_is_guarded(deepseek_v4.DeepseekV4CudaDecoderLayer, config)
     out["seam"] = mhc_through_the_seam(layers, config)
@@ -216,6 +217,7 @@ def drive(layer, path: str, target, config) -> dict:
     result["chains"] = [{"pattern": c.pattern, "nodes": c.nodes, "launches": c.launches_replaced} for c in report.chains]
     result["gemm_in_a_chain"] = [n for c in report.chains for n in c.nodes if n.rstrip("_0123456789") in GEMM_OPS]
     result["automatic_leaves"] = report.automatic_leaves
+    result["precomputed"] = list(report.precomputed)
     result["globals_read"] = {k: repr(v) for k, v in target.globals.read().items()}
 
     # Another forward_mode: the splice runs the layer outside the mode; the module's own code runs.
