@@ -157,6 +157,13 @@ class Segments:
     parts: list[tuple[int, str, int, torch.dtype]]
 
 
+def _shape_code(dims: list[str], as_list: bool = False) -> str:
+    """A block shape written as ``str`` writes a tuple (or a list) of ints, from its dims' code."""
+    if as_list:
+        return f"[{', '.join(dims)}]"
+    return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+
+
 def _expand(base: str, axis: int, rank: int) -> str:
     if rank == 1:
         return base
@@ -318,6 +325,20 @@ class _Lowerer:
         wide = self.block_last * self.tile_scale.get(node, 1)
         return tuple(wide if self.is_tiled(node, i) else pow2(s) for i, s in enumerate(shape))
 
+    def shape_code(self, node: fx.Node, as_list: bool = False) -> str:
+        """``node``'s padded block shape as code, as ``str`` writes the tuple (or the list), but a
+        tiled axis as its tile's width (``BLOCK_TILE``, ``2 * BLOCK_TILE``): so that the body
+        reads the same at any width, and the launch may choose one."""
+        return _shape_code(self.dim_codes(node), as_list)
+
+    def dim_codes(self, node: fx.Node) -> list[str]:
+        return [self.tile_code(node) if self.is_tiled(node, i) else str(s) for i, s in enumerate(self.padded(node))]
+
+    def tile_code(self, node: fx.Node, halved: bool = False) -> str:
+        """The width of ``node``'s tiled axis as code (half of it with ``halved``)."""
+        scale = self.tile_scale.get(node, 1) // (2 if halved else 1)
+        return "BLOCK_TILE" if scale == 1 else f"{scale} * BLOCK_TILE"
+
     def mask(self, node: fx.Node) -> str | None:
         shape = self.block_shape(node)
         terms = [
@@ -473,7 +494,7 @@ class _Lowerer:
 
     def lower_full(self, node: fx.Node, cop: COp):
         """A constant: a block of one literal, only where an op reads it or it is stored."""
-        shape = list(self.padded(node))
+        shape = self.shape_code(node, as_list=True)
         if self.traced.value(node).dtype == torch.bool:
             return self.emit(node, f"tl.full({shape}, {int(bool(cop.attr('value')))}, tl.int1)")
         return self.emit(node, f"tl.full({shape}, {self.f32(float(cop.attr('value')))}, tl.float32)")
@@ -558,7 +579,7 @@ class _Lowerer:
     def layout(self, node: fx.Node, cop: COp, src: str) -> str:
         """``src`` moved into ``node``'s block shape (broadcast, unsqueeze or register reshape)."""
         if cop.op == "expand":
-            return f"tl.broadcast_to({src}, {self.padded(node)})"
+            return f"tl.broadcast_to({src}, {self.shape_code(node)})"
         if self.padded(node) == self.padded(cop.args[0]):
             return src
         inserted = inserted_axes(self.block_shape(cop.args[0]), self.block_shape(node))
@@ -566,7 +587,7 @@ class _Lowerer:
             for axis in inserted:
                 src = f"tl.expand_dims({src}, {axis})"
             return src
-        return f"tl.reshape({src}, {self.padded(node) or (1,)})"
+        return f"tl.reshape({src}, {self.shape_code(node) if self.padded(node) else (1,)})"
 
     def lower_pairs_and_parts(self, node: fx.Node, cop: COp):
         """Complex values as (re, im) float pairs; concatenations as column segments; row gathers."""
@@ -660,7 +681,8 @@ class _Lowerer:
         shape = self.padded(src)
         rank, last, width = len(shape), shape[-1], pow2(stop - start)
         if cop.attr("step", 1) == 2:  # every other column: the block's pairs split in two
-            pairs = f"tl.reshape({expr}, {shape[:-1] + (last // 2, 2)})"
+            half = self.tile_code(src, halved=True) if self.is_tiled(src, rank - 1) else str(last // 2)
+            pairs = f"tl.reshape({expr}, {_shape_code(self.dim_codes(src)[:-1] + [half, '2'])})"
             self.lines.append(f"{name}_even, {name}_odd = tl.split({pairs})  # {node.name}")
             self.names[node] = f"{name}_odd" if start else f"{name}_even"
             self.dtypes[node] = self.dtypes[src]
@@ -1133,8 +1155,7 @@ def lower_region(traced: Traced, cops, nodes, inputs, outputs) -> RowProgram:
 def _launch_widths(program: RowProgram, body_at) -> tuple[int, ...]:
     """The tile widths a launch of ``program`` may choose among (:func:`launch_widths`), or none
     when its body depends on the width: lowered at another width, it must read the same."""
-    widths = launch_widths(program.last, program.block_last, program.others, program.per_warp, program.leading)
+    widths = launch_widths(program.block_last, program.others, program.leading)
     if len(widths) < 2:
         return ()
-    other = widths[0] if widths[0] != program.block_last else widths[-1]
-    return widths if body_at(other) == program.body else ()
+    return widths if body_at(widths[0]) == program.body else ()
