@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fuser import serving
 from fuser.splice import STATE_ATTR
+from serving_helpers import FusedGraphRuns, decode_mode
 
 FLAGS = {"capture": False, "unread": False}
 
@@ -50,24 +51,8 @@ def facts(*paths: str) -> serving.EngineFacts:
 
 
 def decode_call(module, x):
-    serving._MODE.depth = 1
-    try:
+    with decode_mode():
         return module(x)
-    finally:
-        serving._MODE.depth = 0
-
-
-class FusedRuns:
-    def __init__(self, target: serving.LazyFusion):
-        self.count = 0
-        state = target.fused_module.__dict__[STATE_ATTR]
-        graph = state.fused
-
-        def fused(module, *args):
-            self.count += 1
-            return graph(module, *args)
-
-        state.fused = fused
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +70,7 @@ def test_a_flag_read_by_the_trace_is_guarded_and_a_call_where_it_differs_runs_th
         first = decode_call(block, x)
         assert target.state == "fused"
         assert target.globals.read() == {f"{__name__}.capture_mode()": False}  # unread_flag was never called
-        runs = FusedRuns(target)
+        runs = FusedGraphRuns(target)
         torch.testing.assert_close(decode_call(block, x), (x * 2).sigmoid() + 1)
         assert runs.count == 1
         FLAGS["capture"] = True  # the engine enters capture mode
@@ -126,6 +111,6 @@ def test_a_flag_outside_the_mode_is_not_consulted():
     x = torch.randn(4, 32)
     with torch.no_grad():
         decode_call(block, x)
-        runs = FusedRuns(target)
+        runs = FusedGraphRuns(target)
         torch.testing.assert_close(block(x), (x * 2).sigmoid() + 1)  # no mode: the module's own code
     assert runs.count == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 from sglang_cpu import (
@@ -34,6 +35,9 @@ from sglang_cpu import (
 )
 
 from fuser.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/: the serving test helpers
+from serving_helpers import FusedGraphRuns, decode_mode  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -141,24 +145,6 @@ def tensors_of(result) -> list[torch.Tensor]:
     return [result.routed, result.shared]
 
 
-class counting:
-    """Counts the runs of a fused target's fused graph (not of its guarded forward, which
-    may still run the module's own code)."""
-
-    def __init__(self, target):
-        from fuser.splice import STATE_ATTR
-
-        self.calls = 0
-        state = target.fused_module.__dict__[STATE_ATTR]
-        graph = state.fused
-
-        def fused(module, *args):
-            self.calls += 1
-            return graph(module, *args)
-
-        state.fused = fused
-
-
 def near_ties(layer, hidden: torch.Tensor) -> set[int]:
     """Tokens whose top-k expert choice is a near tie (sglang's ``TopK`` picks on the biased
     sqrt-softplus score): there a last-bit difference picks the other expert, and both are right."""
@@ -185,8 +171,6 @@ def compare(got, expected, rows) -> float | str:
 def drive(layer, path: str, target, config) -> dict:
     """Decode calls of one target at every token count (the first fuses it), each against the
     module's own forward; then a call in another mode."""
-    from fuser import serving
-
     g = torch.Generator().manual_seed(7)
     result = {"errors": {}, "left_out_rows": {}}
     spy = None
@@ -195,23 +179,19 @@ def drive(layer, path: str, target, config) -> dict:
         batch = batch_as_the_layer_has_it(layer, tokens) if path == "mlp" else decode_batch(tokens)
         with torch.no_grad():
             eager = call_target(layer, path, hidden, batch)  # outside the mode: the module's own code
-            serving._MODE.depth = 1
-            try:
-                with captured_log() as messages:
-                    fused = call_target(layer, path, hidden, batch)
-            finally:
-                serving._MODE.depth = 0
+            with decode_mode(), captured_log() as messages:
+                fused = call_target(layer, path, hidden, batch)
         if spy is None:
             result["batch_deep_copyable"] = deep_copyable(batch)
             result["log"] = messages
             result["state"] = target.state
             if target.state != "fused":
                 return result
-            spy = counting(target)
+            spy = FusedGraphRuns(target)
         rows = rows_besides_ties(near_ties(layer, hidden) if path == "mlp" else set(), tokens)
         result["errors"][tokens] = compare(fused, eager, rows)
         result["left_out_rows"][tokens] = 0 if rows is None else tokens - len(rows)
-    result["fused_graph_runs"] = spy.calls  # the first call ran before the spy was in place
+    result["fused_graph_runs"] = spy.count  # the first call ran before the spy was in place
     report = target.report
     result["launches"] = [report.launches_before, report.launches_after]
     result["chains"] = [{"pattern": c.pattern, "nodes": c.nodes, "launches": c.launches_replaced} for c in report.chains]
@@ -223,11 +203,11 @@ def drive(layer, path: str, target, config) -> dict:
     # Another forward_mode: the splice runs the layer outside the mode; the module's own code runs.
     tokens = 3
     hidden = torch.randn(tokens, config.hidden_size, generator=g).bfloat16()
-    before = spy.calls
+    before = spy.count
     with torch.no_grad():
         other = call_target(layer, path, hidden, decode_batch(tokens, "EXTEND"))
         expected = target.module.__class__.forward(target.module, *split_call(layer, path, hidden, decode_batch(tokens, "EXTEND")))
-    result["extend_took_fused_path"] = spy.calls != before
+    result["extend_took_fused_path"] = spy.count != before
     result["extend_same_as_own_code"] = all(torch.equal(a, b) for a, b in zip(tensors_of(other), tensors_of(expected)))
     return result
 
@@ -247,38 +227,32 @@ def backend_changed_runs_eager(layer, splice, config) -> dict:
         enable_tc_piecewise_cuda_graph,
     )
 
-    from fuser import serving
-
     target = next(t for t in splice.targets if t.name.endswith(".mlp"))
-    spy = counting(target)
+    spy = FusedGraphRuns(target)
     hidden = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
     calls = {}
-    serving._MODE.depth = 1
-    try:
-        with torch.no_grad():
+    with decode_mode(), torch.no_grad():
+        call_target(layer, "mlp", hidden, decode_batch(2))
+        calls["as fused"] = spy.count
+        set_fused_op_backend(None)
+        try:
             call_target(layer, "mlp", hidden, decode_batch(2))
-            calls["as fused"] = spy.calls
-            set_fused_op_backend(None)
-            try:
+            calls["backend unset"] = spy.count
+        finally:
+            set_fused_op_backend(KernelBackend.TORCH)
+        # Inside sglang's piecewise CUDA graph the MoE block's own code takes another path:
+        # its experts (FusedMoE.forward, fused_moe_triton/layer.py:1670, a leaf whose read
+        # the guard compares too) call ``sglang::moe_forward_piecewise_cuda_graph_impl``,
+        # which has no CPU kernel. Its error says that this call ran the module's own code.
+        try:
+            with enable_tc_piecewise_cuda_graph():
                 call_target(layer, "mlp", hidden, decode_batch(2))
-                calls["backend unset"] = spy.calls
-            finally:
-                set_fused_op_backend(KernelBackend.TORCH)
-            # Inside sglang's piecewise CUDA graph the MoE block's own code takes another path:
-            # its experts (FusedMoE.forward, fused_moe_triton/layer.py:1670, a leaf whose read
-            # the guard compares too) call ``sglang::moe_forward_piecewise_cuda_graph_impl``,
-            # which has no CPU kernel. Its error says that this call ran the module's own code.
-            try:
-                with enable_tc_piecewise_cuda_graph():
-                    call_target(layer, "mlp", hidden, decode_batch(2))
-                calls["piecewise error"] = None
-            except NotImplementedError as e:
-                calls["piecewise error"] = str(e).split(" with arguments")[0]
-            calls["inside a piecewise graph"] = spy.calls
-            call_target(layer, "mlp", hidden, decode_batch(2))
-            calls["back as fused"] = spy.calls
-    finally:
-        serving._MODE.depth = 0
+            calls["piecewise error"] = None
+        except NotImplementedError as e:
+            calls["piecewise error"] = str(e).split(" with arguments")[0]
+        calls["inside a piecewise graph"] = spy.count
+        call_target(layer, "mlp", hidden, decode_batch(2))
+        calls["back as fused"] = spy.count
     calls["backend"] = str(get_fused_op_backend())
     return calls
 
@@ -294,7 +268,7 @@ def capture_mode_read_is_guarded(layer_class, config) -> dict:
 
     from sglang.srt.model_executor.runner_utils import capture_mode
 
-    from fuser import serving, sglang_plugin
+    from fuser import sglang_plugin
 
     _, (_, layer) = build_dsv4_layers(layer_class, (0, 0))  # the second layer routes by top-k
     layer.mlp.alt_stream = object()
@@ -304,24 +278,20 @@ def capture_mode_read_is_guarded(layer_class, config) -> dict:
     target = next(t for t in splice.targets if t.name.endswith(".mlp"))
     hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
     result = {}
-    serving._MODE.depth = 1
-    try:
-        with torch.no_grad():
-            call_target(layer, "mlp", hidden, decode_batch(3))
-            result["state"] = target.state
-            result["globals_read"] = {k: repr(v) for k, v in target.globals.read().items()}
-            spy = counting(target)
-            call_target(layer, "mlp", hidden, decode_batch(3))
-            result["fused_runs"] = spy.calls
-            try:
-                with capture_mode.model_capture_mode():
-                    call_target(layer, "mlp", hidden, decode_batch(3))
-                result["capture_call_ran"] = []
-            except Exception as e:  # noqa: BLE001 - where the module's own code went
-                result["capture_call_ran"] = [frame.name for frame in traceback.extract_tb(e.__traceback__)]
-            result["fused_runs_after_capture_call"] = spy.calls
-    finally:
-        serving._MODE.depth = 0
+    with decode_mode(), torch.no_grad():
+        call_target(layer, "mlp", hidden, decode_batch(3))
+        result["state"] = target.state
+        result["globals_read"] = {k: repr(v) for k, v in target.globals.read().items()}
+        spy = FusedGraphRuns(target)
+        call_target(layer, "mlp", hidden, decode_batch(3))
+        result["fused_runs"] = spy.count
+        try:
+            with capture_mode.model_capture_mode():
+                call_target(layer, "mlp", hidden, decode_batch(3))
+            result["capture_call_ran"] = []
+        except Exception as e:  # noqa: BLE001 - where the module's own code went
+            result["capture_call_ran"] = [frame.name for frame in traceback.extract_tb(e.__traceback__)]
+        result["fused_runs_after_capture_call"] = spy.count
     return result
 
 
