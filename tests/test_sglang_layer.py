@@ -9,7 +9,8 @@ selected by its own switches (``SGLANG_FORCE_FUSED_OP_BACKEND=torch``, the mHC o
 The layer's forward needs sglang's DSv4 attention backend, which has no CPU path: each target
 that runs on the CPU (the MoE block, which takes ``forward_batch``, and the two layer norms)
 is called as the layer calls it, with sglang's own ``ForwardBatch``, in the decode mode as the
-layer's splice sets it.
+layer's splice sets it; and the layer's own forward runs under the splice with its attention
+replaced by a stand-in leaf (sglang has no torch reference of the DSv4 attention).
 """
 
 from __future__ import annotations
@@ -187,3 +188,31 @@ def test_values_the_fused_moe_block_holds_are_declared_to_sglangs_weight_updater
     # which the plugin declares through model._derived_weight_cache_error.
     declared = layers["derived_weight_cache_error"]
     assert declared and ".mlp: " in declared
+
+
+def test_the_real_layer_forward_spliced_runs_its_fused_targets_in_decode_mode(layers):
+    # sglang's own layer forward (boundaries, mHC, MoE), its attention a stand-in leaf (the DSv4
+    # attention backend has no CPU path): decode calls in capture mode, as sglang's warm-ups.
+    run = layers["layer_forward"]
+    for name, targets in run["targets"].items():
+        assert targets == [f"{name}.mlp", f"{name}.input_layernorm", f"{name}.post_attention_layernorm"]
+    assert set(run["states"].values()) == {"fused"}
+    assert set(run["fused_graph_runs"].values()) == {2}  # both later calls, in every target
+    assert len(run["errors"]) == 6
+    for call, error in run["errors"].items():
+        assert isinstance(error, float), (call, error)  # else fuser.tolerance.LAYER's mismatch
+
+
+def test_the_real_layer_forward_in_another_forward_mode_runs_its_own_code(layers):
+    run = layers["layer_forward"]
+    assert run["extend_same_as_own_code"] == {"layers.0": True, "layers.1": True}
+    assert set(run["extend_took_fused_path"].values()) == {False}
+
+
+def test_the_real_layer_forward_in_capture_mode_runs_its_mhc_closures_fused(layers):
+    seam = layers["layer_forward"]["seam"]
+    # One new hc_pre closure per layer (its cells hold the layer); the post closure's cells hold
+    # the same values in every layer, so the entry fused before serves these layers too.
+    assert [e["name"].split(" ")[0].rsplit(".", 1)[-1] for e in seam] == ["hc_pre_torch_impl"] * 2
+    assert {e["state"] for e in seam} == {"fused"}
+    assert layers["torch_compile_calls"] == []

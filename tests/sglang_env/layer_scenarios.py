@@ -7,16 +7,18 @@ top-k routing, world size 1 on gloo, inside ``layer_stack``. sglang's torch fall
 selected with its own switches (:data:`sglang_cpu.TORCH_FALLBACKS`); the TileLang Sinkhorn,
 which has no CPU path, is sglang's own torch reference.
 
-The layer's forward cannot run here: its attention (``MQALayer`` through the DSv4 attention
+The layer's forward cannot run here as sglang ships it: its attention (``MQALayer`` through the DSv4 attention
 backend, its compressor and indexer) has no CPU path, and sglang ships no torch reference of
 it. So each selected target that runs on the CPU (the MoE block, the two layer norms) is called
 as the layer calls it, with sglang's own ``ForwardBatch``, inside the decode mode exactly as the
 layer's splice sets it for a ``forward_mode.is_decode()`` call; outside it, as the splice leaves
-any other call.
+any other call. The layer's own forward is run too, with its attention replaced by a stand-in
+leaf (:class:`AttentionStandIn`), under the splice.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -95,6 +97,9 @@ def main() -> dict:
     out["capture_mode_read"] = capture_mode_read_is_guarded(deepseek_v4.DeepseekV4CudaDecoderLayer, config)
     out["seam"] = mhc_through_the_seam(layers, config)
     out["seam_summary"] = sglang_seam.seam().summary()
+    out["layer_forward"] = spliced_layer_forward(deepseek_v4.DeepseekV4CudaDecoderLayer, config)
+    # The closures the layer forwards' capture-mode calls met (one entry per layer and closure).
+    out["layer_forward"]["seam"] = sglang_seam.seam().summary()[len(out["seam_summary"]):]
     out["torch_compile_calls"] = compiled
     return out
 
@@ -310,6 +315,95 @@ def fused_ops_with_a_kernel_backend(layer) -> dict:
         return {"fused_ops": fused_ops, "targets": [path for path, _, d in decisions if d == "target"]}
     finally:
         set_fused_op_backend(KernelBackend.TORCH)
+
+
+# ------------------------------------------------------------------------------------------
+# The layer's own forward, with a stand-in attention
+# ------------------------------------------------------------------------------------------
+
+
+class AttentionStandIn(torch.nn.Module):
+    """Takes the place of the layer's ``MQALayer`` on the CPU, where sglang's DSv4 attention
+    backend has no path (and sglang has no torch reference of it): an opaque leaf computing a
+    function of its input alone, with its own weight. Every attribute the layer and its
+    boundaries read off the attention (its TP sizes, ``maybe_use_decode_attn_tp``, ...) is the
+    real module's."""
+
+    def __init__(self, real: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.real = real
+        generator = torch.Generator().manual_seed(11)
+        self.mix = torch.nn.Parameter(torch.randn(hidden_size, hidden_size, generator=generator) * 0.05)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["real"], name)
+
+    def forward(self, x, positions, forward_batch, x_quant=None, defer_all_reduce=False):
+        return torch.tanh(x.float() @ self.mix.float()).to(x.dtype)
+
+
+def run_layer(forward, layer, streams: torch.Tensor, batch) -> torch.Tensor:
+    """One call of a decoder layer as ``DeepseekV4Model`` makes it: the layer stack started on
+    the batch, then the layer with its keyword arguments."""
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+    residual_batch.start(batch)
+    positions = torch.arange(streams.shape[0])
+    return forward(positions=positions, hidden_states=streams, input_ids=batch.input_ids,
+                   forward_batch=batch, input_ids_global=batch.input_ids)
+
+
+def spliced_layer_forward(layer_class, config) -> dict:
+    """sglang's layer forward, spliced, with the attention a stand-in leaf: decode calls in
+    capture mode (sglang's warm-ups: the first fuses the targets it reaches and the compile
+    seam's closures) at several token counts against the layer's own forward outside capture
+    mode, then a call in another forward_mode."""
+    import fuser
+    from sglang.srt.model_executor.runner_utils import capture_mode
+
+    from fuser import sglang_plugin
+
+    _, layers = build_dsv4_layers(layer_class, (0, 4))  # hash routing; top-k with a compressor
+    fuser.opaque(AttentionStandIn)
+    for layer in layers:
+        layer.self_attn = AttentionStandIn(layer.self_attn, config.hidden_size)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(layers)
+    splices = sglang_plugin.install(model, sglang_plugin.Options.from_env())
+    g = torch.Generator().manual_seed(13)
+    out = {"targets": {s.name: [t.name for t in s.targets] for s in splices}, "errors": {}}
+    spies = {}
+    for tokens in TOKENS:
+        for layer, splice in zip(layers, splices):
+            streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+            with torch.no_grad():
+                eager = run_layer(functools.partial(type(layer).forward, layer), layer, streams, decode_batch(tokens))
+                with capture_mode.model_capture_mode():
+                    fused = run_layer(layer, layer, streams, decode_batch(tokens))
+            for target in splice.targets:
+                if target.state == "fused" and target.name not in spies:
+                    spies[target.name] = FusedGraphRuns(target)
+            out["errors"][f"{splice.name} T={tokens}"] = compare(fused, eager, None)
+    out["states"] = {t.name: t.state for s in splices for t in s.targets}
+    out["fused_graph_runs"] = {name: spy.count for name, spy in spies.items()}
+    out["launches"] = {t.name: [t.report.launches_before, t.report.launches_after]
+                       for s in splices for t in s.targets if t.report is not None}
+
+    runs_before = dict(out["fused_graph_runs"])
+    tokens = 3
+    streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+    extend = {}
+    with torch.no_grad():
+        for layer, splice in zip(layers, splices):
+            spliced = run_layer(layer, layer, streams, decode_batch(tokens, "EXTEND"))
+            own = run_layer(functools.partial(type(layer).forward, layer), layer, streams, decode_batch(tokens, "EXTEND"))
+            extend[splice.name] = torch.equal(spliced, own)
+    out["extend_same_as_own_code"] = extend
+    out["extend_took_fused_path"] = {name: spy.count != runs_before[name] for name, spy in spies.items()}
+    return out
 
 
 # ------------------------------------------------------------------------------------------
