@@ -6,7 +6,7 @@ count on one GPU and writes a table ``<GPU>.json``; fuser's own tables ship in
 a user's, searched first. At apply time a kernel's ``num_warps`` comes from the table of the
 GPU it is built on, never from a benchmark:
 
-1. the entry for this very kernel (the hash of its body), else
+1. the entry for this very kernel (:func:`kernel_hash`: a hash of what it is made of), else
 2. the heuristic in :mod:`fuser.lower` (and always on the CPU, where the interpreter ignores it).
 
 An entry applies to its own kernel only: warps tuned for one kernel say little about another
@@ -16,12 +16,16 @@ of the same size (a DSv4 mHC entry chose 1 warp where a 4096-wide RMSNorm wants 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from fuser.pattern import templates_dir
 
 TABLE_DIR = Path(__file__).resolve().parent / "launch_configs"
 USER_TABLES = "FUSER_LAUNCH_CONFIGS"
@@ -57,19 +61,31 @@ def load_table(gpu: str) -> dict[str, int]:
 
 
 def entry_key(spec) -> dict:
-    """What a table entry is matched on — the kernel body's hash — and what it records about it."""
-    from dataclasses import replace
-
-    from fuser.emit import kernel_source
-
-    stem, _ = kernel_source(replace(spec, warps=1))  # the body alone: warps fixed
+    """What a table entry is matched on (:func:`kernel_hash`) and what it records about the kernel."""
     return {
-        "kernel": stem.rsplit("_", 1)[-1],
+        "kernel": kernel_hash(spec),
         "template": spec.template,
         "pattern": spec.pattern,
         "dtype": str(spec.inputs[0].dtype).removeprefix("torch.") if spec.inputs else "",
         "size": spec.program.numel if spec.program else 0,
     }
+
+
+def kernel_hash(spec) -> str:
+    """A hash of what the kernel of ``spec`` (an :class:`fuser.emit.KernelSpec`) is made of: its
+    template and the shared frames it extends, its operands, parameters and row program, but
+    not its warps. Computed from that data, before anything is rendered."""
+    program = replace(spec.program, num_warps=0) if spec.program is not None else None
+    made_of = (spec.template, spec.pattern, spec.inputs, spec.outputs, sorted(spec.params.items()),
+               sorted(spec.sizes.items()), program, _template_sources(spec.template))  # fmt: skip
+    return hashlib.sha256(repr(made_of).encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=None)
+def _template_sources(template: str) -> tuple[str, ...]:
+    """The text of ``template`` and of the shared frames (``_*.py.jinja``) templates extend."""
+    paths = [templates_dir() / f"{template}.py.jinja", *sorted(templates_dir().glob("_*.py.jinja"))]
+    return tuple(p.read_text() for p in paths)
 
 
 def lookup(spec, gpu: str | None) -> int | None:

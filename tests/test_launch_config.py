@@ -103,6 +103,27 @@ def test_entry_key_ignores_the_warps():
     assert launch_config.entry_key(spec)["kernel"] != launch_config.entry_key(spec_for(512))["kernel"]
 
 
+def test_an_entry_is_found_without_rendering_the_kernel(table, monkeypatch):
+    """The key is a hash of what the kernel is made of, not of its source: a lookup renders
+    nothing (and so the table is consulted before the one render that uses its warps)."""
+    spec = spec_for(1024)
+    table([entry(spec, 16)])
+
+    def render(*args, **kwargs):
+        raise AssertionError("rendered")
+
+    monkeypatch.setattr("fuser.emit.render", render)
+    assert launch_config.lookup(spec, "Test_GPU") == 16
+
+
+def test_a_template_change_is_another_kernel(monkeypatch):
+    """An entry is for the kernel as its templates write it: edit one, and the key changes."""
+    spec = spec_for(256)
+    before = launch_config.entry_key(spec)["kernel"]
+    monkeypatch.setattr(launch_config, "_template_sources", lambda template: ("edited",))
+    assert launch_config.entry_key(spec)["kernel"] != before
+
+
 def test_gpu_key_is_a_file_name():
     assert launch_config.gpu_key("NVIDIA H200") == "NVIDIA_H200"
     assert launch_config.gpu_key("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
