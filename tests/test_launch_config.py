@@ -124,6 +124,24 @@ def test_a_template_change_is_another_kernel(monkeypatch):
     assert launch_config.entry_key(spec)["kernel"] != before
 
 
+def test_every_entry_of_the_h200_table_is_a_kernel_of_the_dsv4_example():
+    """fuser's own table holds the DeepSeek-V4 example's kernels at flash dims, tuned on an
+    H200 (benchmarks/tune_launch.py). An entry whose kernel the example no longer makes (the
+    lowering or a template changed it) applies to nothing, and the example loses its tuned
+    warps without a word: re-tune on the GPU, or re-key an entry whose kernel changed in
+    nothing that runs."""
+    from examples.dsv4 import layer as dsv4
+
+    layer, inputs = dsv4.flash(T=8, device="cpu")
+    plans = dsv4.fuse_layer(layer, inputs, validate=False)
+    made = {launch_config.entry_key(k.spec)["kernel"]: k.path.name for plan in plans.values() for k in plan.kernels
+            if k.spec is not None and k.spec.program is not None}  # fmt: skip
+    fuser.restore(layer)
+    table = json.loads((launch_config.TABLE_DIR / "NVIDIA_H200.json").read_text())
+    stale = [(e["kernel"], e["pattern"], e["features"]["ops"]) for e in table["entries"] if e["kernel"] not in made]
+    assert not stale, f"entries of no kernel of the example: {stale}; its kernels: {made}"
+
+
 def test_gpu_key_is_a_file_name():
     assert launch_config.gpu_key("NVIDIA H200") == "NVIDIA_H200"
     assert launch_config.gpu_key("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
