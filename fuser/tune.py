@@ -48,7 +48,7 @@ def _rows(args, operands, T: int):
 def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log: Callable = print) -> list[dict]:
     """One table entry per distinct row-program kernel of ``plans`` (submodule name -> plan,
     ``""`` the module itself), timed on values recorded at ``max(tokens)`` tokens."""
-    from fuser.api import record_values, store_targets
+    from fuser.validation import record_values, store_targets
     from fuser.emit import emit
 
     entries, seen = [], set()

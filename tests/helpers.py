@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fuser.api
+import fuser.passes
 from fuser.pattern import load_pattern, patterns_dir
 from fuser.splice import STATE_ATTR
 
@@ -25,7 +25,7 @@ def spied_launches(corrupt: str | None = None):
     """Wrap every kernel launcher fuser emits: record each call's pattern; for launchers of the
     pattern ``corrupt`` (or of a merged kernel with it among its parts), add 1.0 to every output
     (a kernel that computes the wrong values)."""
-    real_emit = fuser.api.emit
+    real_emit = fuser.passes.emit
     calls: list[str] = []
 
     def emit(spec):
@@ -42,7 +42,7 @@ def spied_launches(corrupt: str | None = None):
         return path, spy
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fuser.api, "emit", emit)
+        mp.setattr(fuser.passes, "emit", emit)
         yield calls
 
 

@@ -10,10 +10,10 @@ import torch.nn as nn
 
 import fuser
 from examples.zoo import layers as zoo
-import fuser.api
-from fuser.api import _tie_order
+import fuser.passes
 from fuser.emit import KernelSpec, emit
 from fuser.lower import Operand
+from fuser.validation import _tie_order
 
 OUTPUTS = ("sorted_ids", "perm", "offsets", "inverse")
 
@@ -254,7 +254,7 @@ def test_validation_accepts_another_order_of_equal_ids():
 def test_validation_still_catches_rows_out_of_their_pairs_places(monkeypatch):
     """Rows are compared in the order the permutation's ties are put in, not up to any order:
     a kernel that swaps the rows of two pairs of different tokens is rejected."""
-    real_emit = fuser.api.emit
+    real_emit = fuser.passes.emit
 
     def emit_swapping_rows(spec):
         path, launch = real_emit(spec)
@@ -270,7 +270,7 @@ def test_validation_still_catches_rows_out_of_their_pairs_places(monkeypatch):
 
         return path, swapped
 
-    monkeypatch.setattr(fuser.api, "emit", emit_swapping_rows)
+    monkeypatch.setattr(fuser.passes, "emit", emit_swapping_rows)
     report = fuser.explain(GroupedExperts(8), _experts_inputs(64, 2, 8, seed=5))
     assert not [c for c in report.chains if c.pattern == "expert_sort_rows"], report.text()
     (rejection,) = [r for r in report.rejected if r.pattern == "expert_sort_rows"]

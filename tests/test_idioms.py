@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import fuser
-from fuser.api import _unstable_sort_ties
+from fuser.validation import _unstable_sort_ties
 from fuser.canon import canonicalize
 from fuser.idioms import inverse_permutation
 from fuser.trace import trace

@@ -18,6 +18,7 @@ import triton
 from helpers import assert_close, gen, randn
 
 import fuser.api
+import fuser.validation
 from fuser.emit import kernel_source
 from fuser.lower import RowProgram, _launch_widths
 from fuser.tiling import LAUNCH_PROGRAMS, MIN_PROGRAM, launch_width, launch_widths, tile_floor
@@ -78,7 +79,7 @@ def the_kernel(module, inputs, validate=True):
 def kernel_values(module, inputs):
     """The inputs of the one kernel of ``module`` at ``inputs``, and its outputs in eager."""
     kernel, plan = the_kernel(module, inputs, validate=False)
-    values = fuser.api.record_values(module, plan.traced, plan.cops)
+    values = fuser.validation.record_values(module, plan.traced, plan.cops)
     return values.inputs_of(kernel.region), values[kernel.region.outputs[0]]
 
 
@@ -164,13 +165,13 @@ def test_a_body_that_depends_on_the_width_keeps_its_one_tile():
 def test_validation_runs_the_kernel_at_every_width(monkeypatch):
     module, make = CASES["pointwise, 1000 columns"]
     seen = []
-    validate_launch = fuser.api._validate_launch
+    validate_launch = fuser.validation._validate_launch
 
     def spy(kernel, values, cops, options):
         seen.append(options.get("block_tile"))
         return validate_launch(kernel, values, cops, options)
 
-    monkeypatch.setattr(fuser.api, "_validate_launch", spy)
+    monkeypatch.setattr(fuser.validation, "_validate_launch", spy)
     kernel, _ = the_kernel(module, make(3, torch.float32))
     assert seen == list(kernel.spec.program.widths)
 

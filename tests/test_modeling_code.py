@@ -251,7 +251,7 @@ def test_topk_picks_may_differ_only_between_equal_scores():
     fp32 rounding differs from eager's), never one that picks a lower score."""
     from torch.fx import Graph
 
-    from fuser.api import _near_tie
+    from fuser.validation import _near_tie
     from fuser.canon import COMPUTE, UNIT_VIEW, COp
 
     graph = Graph()

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import fuser
-import fuser.api
+import fuser.passes
 import fuser.emit
 from examples.dsv4 import layer as dsv4
 from fuser.canon import canonicalize
@@ -132,8 +132,8 @@ def test_rendering_the_same_plan_twice_is_identical(tiny_plans):
     for plan in tiny_plans:
         cops = canonicalize(plan.traced)
         for k in plan.kernels:
-            first = fuser.emit.kernel_source(fuser.api.kernel_spec(k.region, plan.traced, cops))
-            second = fuser.emit.kernel_source(fuser.api.kernel_spec(k.region, plan.traced, cops))
+            first = fuser.emit.kernel_source(fuser.passes.kernel_spec(k.region, plan.traced, cops))
+            second = fuser.emit.kernel_source(fuser.passes.kernel_spec(k.region, plan.traced, cops))
             assert first == second
             stem, source = first
             assert stem == Path(k.path).stem
