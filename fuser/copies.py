@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from fuser.emit import KernelSpec, emit
-from fuser.lower import operand
+from fuser.program import operand
 from fuser.report import FusedChain, Report
 from fuser.trace import Traced
 

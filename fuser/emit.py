@@ -22,9 +22,9 @@ import jinja2
 
 from fuser.capture import capturing
 from fuser.launch_config import current_gpu, lookup
-from fuser.lower import TL_DTYPES, Operand, RowProgram, pow2, row_count, row_source
+from fuser.program import TL_DTYPES, Operand, RowProgram, row_count, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
-from fuser.tiling import LAUNCH_PROGRAMS
+from fuser.tiling import LAUNCH_PROGRAMS, pow2
 
 
 class TemplateError(Exception):

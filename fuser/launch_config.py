@@ -7,7 +7,7 @@ a user's, searched first. At apply time a kernel's ``num_warps`` comes from the 
 GPU it is built on, never from a benchmark:
 
 1. the entry for this very kernel (:func:`kernel_hash`: a hash of what it is made of), else
-2. the heuristic in :mod:`fuser.lower` (and always on the CPU, where the interpreter ignores it).
+2. the heuristic below (:func:`heuristic_warps`; always on the CPU, where the interpreter ignores it).
 
 An entry applies to its own kernel only: warps tuned for one kernel say little about another
 of the same size (a DSv4 mHC entry chose 1 warp where a 4096-wide RMSNorm wants 8).
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fuser.pattern import templates_dir
+from fuser.tiling import pow2
 
 TABLE_DIR = Path(__file__).resolve().parent / "launch_configs"
 USER_TABLES = "FUSER_LAUNCH_CONFIGS"
@@ -94,3 +95,36 @@ def lookup(spec, gpu: str | None) -> int | None:
     if not table or spec.program is None:
         return None
     return table.get(entry_key(spec)["kernel"])
+
+
+# Ops that move values between lanes: pairs interleaved along the last axis.
+_INTERLEAVING = {"stack", "repeat_interleave"}
+_PAIRED = {"view_as_complex", "view_as_real"}
+
+
+def heuristic_warps(numel: int, reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
+    """Warps for a row program without a launch-table entry of its own, by its block's size
+    and what it does (:func:`elements_per_warp`)."""
+    return warps_for(numel, elements_per_warp(reducing, tiled, leading, op_names))
+
+
+def elements_per_warp(reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
+    """Elements of a block one warp takes.
+
+    Fitted to every kernel of the zoo and the DSv4 example timed at 1-16 warps on an H200
+    (``benchmarks/tune_zoo.py``, ``fuser tune``; benchmarks/results/launch_heuristic.md has the
+    check): a block wants about 8 elements a thread (2048 elements: 8 warps), reductions along
+    the row included. Three kinds want one warp per 2048 elements, and lose up to 5x with 8:
+    a reduction inside a column tile across a short axis (the sum over the top-k experts of
+    ``[k, tile]``, the mHC streams); values interleaved along the last axis (``stack`` then
+    flatten, ``repeat_interleave``: the DSv4 RoPE); a per-head reduction (a tile of heads)
+    that also splits complex pairs.
+    """
+    slow = (reducing and tiled and not leading) or bool(op_names & _INTERLEAVING) or (reducing and leading and bool(op_names & _PAIRED))
+    return 2048 if slow else 256
+
+
+def warps_for(numel: int, per_warp: int) -> int:
+    """``numel`` elements at ``per_warp`` a warp, in a power of two of warps. Never more than 8:
+    no kernel measured wanted 16 by more than a few percent, and some lost a quarter with it."""
+    return min(8, max(1, pow2(numel // per_warp)))

@@ -12,19 +12,21 @@ the eager op returns, so bf16 rounding happens exactly where PyTorch rounds.
 How each op lowers comes from the op table (fuser/ops.py): a pointwise op's Triton expression,
 or the ``lower_<name>`` method of :class:`_Lowerer` that its entry names.
 
-The result is plain data (:class:`RowProgram`) that the Jinja templates render.
+The result is plain data (:class:`fuser.program.RowProgram`) that the Jinja templates render.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from fuser import ops
 from fuser.canon import COMPUTE, UNIT_VIEW, COp
+from fuser.launch_config import elements_per_warp, warps_for
+from fuser.program import TL_DTYPES, Operand, RowProgram, operand
 from fuser.tiling import find_tiling, inserted_axes, launch_widths, pow2, tile_floor
 from fuser.trace import Traced
 
@@ -37,11 +39,6 @@ class LoweringError(Exception):
         super().__init__(message)
         self.node = node
 
-
-TL_DTYPES = {
-    torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
-    torch.float8_e4m3fn: "tl.float8e4nv", torch.bool: "tl.int1",
-}  # fmt: skip
 
 # The Triton expression of every pointwise op (fuser.ops), by name, read at lowering time.
 _EXPRESSIONS = {name: op.triton for name, op in ops.TABLE.items() if op.kind == ops.POINTWISE and op.triton}
@@ -80,74 +77,6 @@ _CONTRACT_ABOVE = 4096
 _CONTRACT_AXIS = 16
 # Largest block (elements) an unaligned slice may spread into a one-hot sum.
 _ONE_HOT_LIMIT = 1 << 16
-
-
-@dataclass
-class Operand:
-    """A tensor the kernel reads or writes: its pointer and the strides of its block dims."""
-
-    name: str
-    node: str
-    shape: tuple[int, ...]  # block shape (no token dim)
-    dtype: torch.dtype
-    has_rows: bool
-    broadcast_rows: bool = False  # a [1, ...] tensor the launcher expands over the token rows
-    into: bool = False  # an output the caller passes in (a view it is written into), not allocated
-    # Its rows per program: 1, or k (the index a program gathers k rows with), or 0 when its rows
-    # are not the programs' (a gathered table).
-    row_group: int = 1
-
-    @property
-    def complex(self) -> bool:
-        """complex64: the kernel sees it as float pairs (an extra trailing dim of 2)."""
-        return self.dtype.is_complex
-
-    @property
-    def stride_args(self) -> list[str]:
-        dims = len(self.shape) + (1 if self.complex else 0)
-        return ([f"{self.name}_stride_row"] if self.has_rows else []) + [
-            f"{self.name}_stride_{i}" for i in range(dims)
-        ] + ([f"{self.name}_rows"] if self.read_at_positions else [])
-
-    @property
-    def read_at_positions(self) -> bool:
-        """Rows read where values say (a gathered table): the kernel gets their count too."""
-        return self.has_rows and self.row_group == 0
-
-
-@dataclass
-class RowProgram:
-    inputs: list[Operand]
-    outputs: list[Operand]
-    body: list[str] = field(default_factory=list)
-    tiled: bool = False  # one axis (the last, else the first) is split across programs
-    leading: bool = False  # the tiled axis is the first (heads), not the last (columns)
-    last: int = 1  # size of the tiled axis
-    block_last: int = 1  # its elements per program
-    num_warps: int = 4
-    numel: int = 1  # padded elements of the largest block
-    helpers: tuple[str, ...] = ()  # jit functions the body calls (templates/_row_program.py.jinja)
-    tile_scales: tuple[int, ...] = ()  # wider tiles the body reads (``tile2``: every other column's source)
-    others: int = 1  # elements of the other axes each element of the tiled axis comes with
-    per_warp: int = 256  # elements a warp takes (heuristic_warps)
-    # Tile widths a launch may choose by its row count (fuser.tiling.launch_widths); none: block_last
-    widths: tuple[int, ...] = ()
-
-
-def row_source(inputs: list[Operand]) -> str:
-    """The input whose first dim gives the program count (the token count, or k times it)."""
-    return _row_input(inputs).name
-
-
-def row_count(inputs: list[Operand]) -> str:
-    """The launcher's expression for the number of programs."""
-    op = _row_input(inputs)
-    return f"{op.name}.shape[0]" + (f" // {op.row_group}" if op.row_group > 1 else "")
-
-
-def _row_input(inputs: list[Operand]) -> Operand:
-    rowed = [op for op in inputs if op.has_rows and not op.broadcast_rows and op.row_group]
-    return min(rowed, key=lambda op: op.row_group)  # one row per program if any, else k
 
 
 @dataclass
@@ -1094,47 +1023,6 @@ class _AtRows:
         self.lowerer.helpers.update(entry.helpers)
         expr = ops.render(_EXPRESSIONS[cop.op], *operands)
         return self._line(node, expr if dtype in (torch.float32, torch.bool) else rounded(expr, dtype), dtype)
-
-
-# Ops that move values between lanes: pairs interleaved along the last axis.
-_INTERLEAVING = {"stack", "repeat_interleave"}
-_PAIRED = {"view_as_complex", "view_as_real"}
-
-
-def heuristic_warps(numel: int, reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
-    """Warps for a row program without a launch-table entry of its own, by its block's size
-    and what it does (:func:`elements_per_warp`)."""
-    return warps_for(numel, elements_per_warp(reducing, tiled, leading, op_names))
-
-
-def elements_per_warp(reducing: bool, tiled: bool, leading: bool, op_names: set[str]) -> int:
-    """Elements of a block one warp takes.
-
-    Fitted to every kernel of the zoo and the DSv4 example timed at 1-16 warps on an H200
-    (``benchmarks/tune_zoo.py``, ``fuser tune``; benchmarks/results/launch_heuristic.md has the
-    check): a block wants about 8 elements a thread (2048 elements: 8 warps), reductions along
-    the row included. Three kinds want one warp per 2048 elements, and lose up to 5x with 8:
-    a reduction inside a column tile across a short axis (the sum over the top-k experts of
-    ``[k, tile]``, the mHC streams); values interleaved along the last axis (``stack`` then
-    flatten, ``repeat_interleave``: the DSv4 RoPE); a per-head reduction (a tile of heads)
-    that also splits complex pairs.
-    """
-    slow = (reducing and tiled and not leading) or bool(op_names & _INTERLEAVING) or (reducing and leading and bool(op_names & _PAIRED))
-    return 2048 if slow else 256
-
-
-def warps_for(numel: int, per_warp: int) -> int:
-    """``numel`` elements at ``per_warp`` a warp, in a power of two of warps. Never more than 8:
-    no kernel measured wanted 16 by more than a few percent, and some lost a quarter with it."""
-    return min(8, max(1, pow2(numel // per_warp)))
-
-
-def operand(traced: Traced, node: fx.Node, name: str) -> Operand:
-    """The kernel argument for ``node``'s value: block shape without the token dim, dtype."""
-    value = traced.value(node)
-    has_rows = bool(traced.batch_dims(node))
-    shape = tuple(value.shape[1:]) if has_rows else tuple(value.shape)
-    return Operand(name, node.name, shape, value.dtype, has_rows)
 
 
 def lower_region(traced: Traced, cops, nodes, inputs, outputs) -> RowProgram:

@@ -31,7 +31,8 @@ import torch.fx as fx
 
 from fuser.canon import REDUCING
 from fuser.emit import KernelSpec, emit
-from fuser.lower import LoweringError, lower_region, operand
+from fuser.lower import LoweringError, lower_region
+from fuser.program import operand
 from fuser.match import Rejection, match_all
 from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, feeds, fusible, merged, siblings, stored_in_place, widened
 from fuser.report import Rejected

@@ -12,7 +12,7 @@ import fuser
 from examples.zoo import layers as zoo
 import fuser.passes
 from fuser.emit import KernelSpec, emit
-from fuser.lower import Operand
+from fuser.program import Operand
 from fuser.validation import _tie_order
 
 OUTPUTS = ("sorted_ids", "perm", "offsets", "inverse")

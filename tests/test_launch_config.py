@@ -56,7 +56,7 @@ def test_the_heuristic_holds_on_the_measured_zoo_kernels():
     never far off. The times are the GPU's; only the pick is computed here."""
     from pathlib import Path
 
-    from fuser.lower import heuristic_warps
+    from fuser.launch_config import heuristic_warps
 
     recorded = json.loads((Path(__file__).parent.parent / "benchmarks/results/launch_heuristic.json").read_text())
     ratios = []

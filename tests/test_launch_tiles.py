@@ -20,7 +20,8 @@ from helpers import assert_close, gen, randn
 import fuser.api
 import fuser.validation
 from fuser.emit import kernel_source
-from fuser.lower import RowProgram, _launch_widths
+from fuser.lower import _launch_widths
+from fuser.program import RowProgram
 from fuser.tiling import LAUNCH_PROGRAMS, MIN_PROGRAM, launch_width, launch_widths, tile_floor
 from fuser.tolerance import KERNEL
 

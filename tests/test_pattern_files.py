@@ -11,7 +11,7 @@ import fuser
 import fuser.emit
 import fuser.pattern
 import helpers
-from fuser.lower import Operand
+from fuser.program import Operand
 from fuser.pattern import load_pattern, load_patterns
 
 GOOD = '''\
