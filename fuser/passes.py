@@ -34,7 +34,8 @@ from fuser.emit import KernelSpec, emit
 from fuser.lower import LoweringError, lower_region
 from fuser.program import operand
 from fuser.match import Rejection, match_all
-from fuser.regions import PARAM_TEMPLATES, Region, RegionBuilder, feeds, fusible, merged, siblings, stored_in_place, widened
+from fuser.pattern import is_hand_written
+from fuser.regions import Region, RegionBuilder, feeds, fusible, merged, siblings, stored_in_place, widened
 from fuser.report import Rejected
 from fuser.trace import Traced
 from fuser.validation import record_values, validate as validate_kernel
@@ -130,7 +131,7 @@ def build(p: Planning, region: Region) -> bool:
 
 
 def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
-    if region.template in PARAM_TEMPLATES:
+    if is_hand_written(region.template):
         inputs = [operand(traced, n, f"in{i}") for i, n in enumerate(region.inputs)]
         names = region.match.output_names or [f"out{i}" for i in range(len(region.outputs))]
         outputs = [operand(traced, n, name) for n, name in zip(region.outputs, names)]

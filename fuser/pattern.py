@@ -35,6 +35,7 @@ appear in the model as written, up to the spellings ``fuser.canon`` folds togeth
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import inspect
 import logging
@@ -64,6 +65,19 @@ def patterns_dir() -> Path:
 
 def templates_dir() -> Path:
     return _data_dir("templates")
+
+
+def is_hand_written(template: str) -> bool:
+    """Is ``template`` written by hand from its pattern's parameters (``sinkhorn``,
+    ``expert_sort``: its kernel reads the matched inputs itself), rather than the frame of a
+    row program fuser lowers from the chain (``pointwise``, ``row_reduce``: they extend
+    ``_row_program.py.jinja``)? Read off the template file, so a new one needs no list."""
+    return _hand_written(templates_dir() / f"{template}.py.jinja")
+
+
+@functools.lru_cache(maxsize=None)
+def _hand_written(path: Path) -> bool:
+    return not re.search(r"""{%-?\s*extends\s+["']_row_program\.py\.jinja["']""", path.read_text())
 
 
 class PatternError(Exception):

@@ -28,9 +28,12 @@ import torch.fx as fx
 from fuser import ops
 from fuser.canon import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
 from fuser.match import Match, Rejection
+from fuser.pattern import is_hand_written
 
-#: Templates whose kernel body is written by hand from the pattern's parameters.
-PARAM_TEMPLATES = {"sinkhorn", "expert_sort"}  # the expert sort: one program over every id
+
+def row_template(nodes, cops) -> str:
+    """The frame a lowered row program renders in: ``row_reduce`` when it reduces, else ``pointwise``."""
+    return "row_reduce" if any(cops[n].op in REDUCING for n in nodes) else "pointwise"
 
 
 @dataclass
@@ -220,7 +223,7 @@ class RegionBuilder:
     # --- pattern regions ---------------------------------------------------------------------
     def from_match(self, match: Match) -> Region | Rejection:
         pattern = match.pattern
-        if pattern.template in PARAM_TEMPLATES:
+        if is_hand_written(pattern.template):
             # The kernel reads the pattern's inputs itself: it replaces every matched node.
             covered = set(match.nodes)
             nodes = sorted(covered, key=self.order.get)
@@ -325,7 +328,7 @@ class RegionBuilder:
         if position is not None:
             if sum(1 for n in covered if self.cops[n].kind == COMPUTE) < 2 and not self._copied(outputs):
                 return []  # one op alone gains nothing from a kernel of its own
-            template = "row_reduce" if any(self.cops[n].op in REDUCING for n in nodes) else "pointwise"
+            template = row_template(nodes, self.cops)
             # A node folded into another (sum into mean) is computed by that one.
             absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
             lowered = [n for n in lowered if n not in absorbed]
@@ -403,7 +406,7 @@ def widened(builder: RegionBuilder, region: Region, leftovers: list[fx.Node]) ->
     by the next norm and the next residual: one kernel writes the sum and the norm). Each op
     joins only if the kernel still has a place to run with it.
     """
-    if region.template in PARAM_TEMPLATES:
+    if is_hand_written(region.template):
         return None
     pending = set(leftovers)
     wider = None
@@ -496,7 +499,7 @@ def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
     position, _, _ = builder.placement(covered, inputs, outputs)
     if position is None:
         return None
-    template = "row_reduce" if any(builder.cops[n].op in REDUCING for n in nodes) else "pointwise"
+    template = row_template(nodes, builder.cops)
     parts = (a.parts or (a.pattern,)) + (b.parts or (b.pattern,))
     params = {**a.qualified_params(), **b.qualified_params()}
     return builder.drop_view_outputs(Region(nodes, inputs, outputs, template, None, covered, position, parts, params))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import gen, randn
 
 import fuser
+import fuser.passes
 
 
 class RMSNorm(nn.Module):
@@ -122,5 +123,5 @@ def test_a_merge_never_puts_a_tiled_kernels_wide_block_in_one_program(monkeypatc
     result = fuser.check(WideAndNarrowNorms(), args)
     assert result.ok, result.text()
     assert result.report.launches_after == 2, result.report.text()
-    monkeypatch.setattr(fuser.api, "UNTILED_BLOCK_LIMIT", 1 << 30)  # the limit is what keeps them apart
+    monkeypatch.setattr(fuser.passes, "UNTILED_BLOCK_LIMIT", 1 << 30)  # the limit is what keeps them apart
     assert fuser.explain(WideAndNarrowNorms(), args).launches_after == 1

@@ -68,6 +68,18 @@ def test_the_good_pattern_loads(tmp_path):
     assert p.description == "A fine pattern."
 
 
+def test_a_template_is_hand_written_unless_it_frames_a_row_program(tmp_path, monkeypatch):
+    """Read off the template file: one that extends _row_program.py.jinja renders a lowered
+    chain, any other its pattern's inputs and parameters, with no list to add it to."""
+    for template in fuser.pattern.templates_dir().glob("*.jinja"):
+        (tmp_path / template.name).write_text(template.read_text())
+    (tmp_path / "my_gate.py.jinja").write_text('{% extends "_kernel_base.py.jinja" %}\n{% block kernel %}{% endblock %}\n')
+    (tmp_path / "my_rows.py.jinja").write_text('{%- extends "_row_program.py.jinja" -%}\n')
+    monkeypatch.setattr(fuser.pattern, "templates_dir", lambda: tmp_path)
+    kinds = {t: fuser.pattern.is_hand_written(t) for t in ("pointwise", "row_reduce", "sinkhorn", "expert_sort", "my_gate", "my_rows")}
+    assert kinds == dict(pointwise=False, row_reduce=False, sinkhorn=True, expert_sort=True, my_gate=True, my_rows=False)
+
+
 def test_syntax_error(tmp_path):
     path = write(tmp_path, "syntax", GOOD.replace("    xf = x.float()\n", "    xf = x.float(\n"))
     message = load_error(path)
