@@ -75,8 +75,9 @@ def entry_key(spec) -> dict:
 def kernel_hash(spec) -> str:
     """A hash of what the kernel of ``spec`` (an :class:`fuser.emit.KernelSpec`) is made of: its
     template and the shared frames it extends, its operands, parameters and row program, but
-    not its warps. Computed from that data, before anything is rendered."""
-    program = replace(spec.program, num_warps=0) if spec.program is not None else None
+    not its warps nor what the heuristic would give it (a table entry stands in for those).
+    Computed from that data, before anything is rendered."""
+    program = replace(spec.program, num_warps=0, per_warp=0) if spec.program is not None else None
     made_of = (spec.template, spec.pattern, spec.inputs, spec.outputs, sorted(spec.params.items()),
                sorted(spec.sizes.items()), program, _template_sources(spec.template))  # fmt: skip
     return hashlib.sha256(repr(made_of).encode()).hexdigest()[:12]

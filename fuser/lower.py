@@ -261,6 +261,7 @@ class _Lowerer:
         return _shape_code(self.dim_codes(node), as_list)
 
     def dim_codes(self, node: fx.Node) -> list[str]:
+        """Each axis of ``node``'s padded block as code (:meth:`shape_code`)."""
         return [self.tile_code(node) if self.is_tiled(node, i) else str(s) for i, s in enumerate(self.padded(node))]
 
     def tile_code(self, node: fx.Node, halved: bool = False) -> str:

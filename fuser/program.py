@@ -67,7 +67,7 @@ class RowProgram:
     helpers: tuple[str, ...] = ()  # jit functions the body calls (templates/_row_program.py.jinja)
     tile_scales: tuple[int, ...] = ()  # wider tiles the body reads (``tile2``: every other column's source)
     others: int = 1  # elements of the other axes each element of the tiled axis comes with
-    per_warp: int = 256  # elements a warp takes (heuristic_warps)
+    per_warp: int = 256  # elements a warp takes (fuser.launch_config.elements_per_warp)
     # Tile widths a launch may choose by its row count (fuser.tiling.launch_widths); none: block_last
     widths: tuple[int, ...] = ()
 
