@@ -21,7 +21,7 @@ from typing import Any, Callable
 import jinja2
 
 from fuser.capture import capturing
-from fuser.launch_config import current_gpu, lookup
+from fuser.launch_config import current_gpu, lookup, warps_for
 from fuser.program import TL_DTYPES, Operand, RowProgram, row_count, row_source
 from fuser.pattern import PACKAGE_DIR, templates_dir
 from fuser.tiling import LAUNCH_PROGRAMS, pow2
@@ -105,6 +105,7 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         num_warps=spec.num_warps,
         tile_at_launch=spec.tile_at_launch,
         launch_programs=LAUNCH_PROGRAMS,
+        launch_warps=launch_warps(spec.program),
         row_source=row_source(spec.inputs),
         row_count=row_count(spec.inputs),
         tl_dtype=TL_DTYPES,
@@ -116,6 +117,12 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
     except jinja2.TemplateError as e:
         filename, line = _template_location(e, template)
         raise TemplateError(f"{filename}:{line}: {type(e).__name__}: {e}") from None
+
+
+def launch_warps(program: RowProgram | None) -> dict[int, int]:
+    """The warps of each tile width a launch may choose: the heuristic's for its block."""
+    widths = program.widths if program is not None else ()
+    return {width: warps_for(program.others * width, program.per_warp) for width in widths}
 
 
 class _Params(dict):
