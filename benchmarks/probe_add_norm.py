@@ -3,7 +3,7 @@ program holding the whole row, against hand-written variants that walk the row i
 (two passes: sum of squares, then normalise) or hold several rows a program, and against
 torch.compile's kernel for the same chain.
 
-    PYTHONPATH=. python benchmarks/probe_add_norm.py [--tokens 1,128,512,2048] [--out FILE]
+    PYTHONPATH=. python benchmarks/probe_add_norm.py [--tokens 1,128,512,2048] [--variants ordered] [--out FILE]
 
 A measurement for choosing the kernel shape, not a benchmark of fuser: each variant is timed
 as ``fuser tune`` times kernels (100 launches in one CUDA graph, replayed). bf16, 4096 wide
@@ -43,6 +43,30 @@ def _whole_rows(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n_rows, N: tl.constexpr, ROWS
 
 
 @triton.jit
+def _ordered(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, N: tl.constexpr, STORE_EARLY: tl.constexpr, LOAD_LATE: tl.constexpr):
+    """One program a row, the whole row in a block, as fuser's row program holds it: the
+    operands loaded first or where first used, each result stored where computed or last."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, N)
+    x = tl.load(x_ptr + row * N + cols)
+    r = tl.load(r_ptr + row * N + cols)
+    if not LOAD_LATE:
+        w = tl.load(w_ptr + cols)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    if STORE_EARLY:
+        tl.store(h_ptr + row * N + cols, h)
+    f = h.to(tl.float32)
+    inv = tl.expand_dims(tl.sum(f * f, axis=0), 0) / N + 1e-6
+    y = (f * tl.rsqrt(inv)).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    if LOAD_LATE:
+        w = tl.load(w_ptr + cols)
+    out = (w.to(tl.float32) * y).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    if not STORE_EARLY:
+        tl.store(h_ptr + row * N + cols, h)
+    tl.store(y_ptr + row * N + cols, out)
+
+
+@triton.jit
 def _chunked(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, N: tl.constexpr, CHUNK: tl.constexpr, RELOAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros((CHUNK,), tl.float32)
@@ -79,6 +103,15 @@ def whole_rows(rows: int, warps: int):
     return launch
 
 
+def ordered(store_early: bool, load_late: bool, warps: int):
+    def launch(x, r, w):
+        h, y = torch.empty_like(x), torch.empty_like(x)
+        _ordered[(x.shape[0],)](x, r, w, h, y, N=HIDDEN, STORE_EARLY=store_early, LOAD_LATE=load_late, num_warps=warps)
+        return y, h
+
+    return launch
+
+
 def chunked(chunk: int, warps: int, reload: bool):
     def launch(x, r, w):
         h, y = torch.empty_like(x), torch.empty_like(x)
@@ -90,6 +123,11 @@ def chunked(chunk: int, warps: int, reload: bool):
 
 def variants():
     found = {}
+    for store_early in (False, True):
+        for load_late in (False, True):
+            for warps in (4, 8):
+                name = f"ordered store={'early' if store_early else 'last'} load={'late' if load_late else 'first'} warps={warps}"
+                found[name] = ordered(store_early, load_late, warps)
     for rows in (1, 2, 4):
         for warps in (4, 8, 16):
             found[f"whole rows={rows} warps={warps}"] = whole_rows(rows, warps)
@@ -104,6 +142,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,128,512,2048")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--variants", default="", help="only the hand-written variants whose name holds this")
     args = parser.parse_args()
     import fuser
     from bench_kernels import AddNorm
@@ -122,7 +161,7 @@ def main():
         fuser.apply(fused, (x, r))
         compiled = torch.compile(reference, dynamic=False)
         timed = {"fuser": (fused, (x, r)), "compile": (compiled, (x, r))}
-        timed.update({name: (launch, (x, r, w)) for name, launch in variants().items()})
+        timed.update({name: (launch, (x, r, w)) for name, launch in variants().items() if args.variants in name})
         for name, (launch, inputs) in timed.items():
             with torch.no_grad():
                 y, h = launch(*inputs)

@@ -18,6 +18,7 @@ The result is plain data (:class:`fuser.program.RowProgram`) that the Jinja temp
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -110,9 +111,10 @@ def _pair_index(rank: int) -> str:
 
 
 class _Lowerer:
-    def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs):
+    def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs, in_place=()):
         self.traced, self.cops = traced, cops
         self.nodes, self.inputs, self.outputs = list(nodes), list(inputs), list(outputs)
+        self.in_place = set(in_place)  # outputs written into a caller's buffer: stored last
         self.names: dict[fx.Node, str] = {}
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
@@ -881,6 +883,8 @@ class _Lowerer:
         self._operands = ins
         for operand, node in zip(ins, self.inputs):
             self.load(operand, node)
+        loads = len(self.lines)
+        unstored = list(zip(outs, self.outputs))
         for node in self.nodes:
             if node in self.regathered:
                 continue
@@ -889,8 +893,10 @@ class _Lowerer:
             except LoweringError as e:
                 e.node = e.node or node
                 raise
-        for operand, node in zip(outs, self.outputs):
+            unstored = self._store_fresh(node, unstored)
+        for operand, node in unstored:
             self.store(operand, node)
+        self.lines = _loaded_where_used(self.lines[:loads], self.lines[loads:])
         names = {self.cops[n].op for n in self.nodes}
         leading = self.tiled and self._leading
         per_warp = elements_per_warp(bool(names & ops.REDUCING), self.tiled, leading, names)
@@ -900,6 +906,17 @@ class _Lowerer:
             ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps_for(numel, per_warp),
             numel, helpers, scales, others, per_warp,
         )  # fmt: skip
+
+    def _store_fresh(self, node: fx.Node, unstored: list) -> list:
+        """Store ``node`` where it is computed when it is an output the kernel allocates (so its
+        registers are free for the rest of the body); one written into a caller's buffer is
+        stored last, after every read of that buffer."""
+        if node in self.in_place or node not in self.names:
+            return unstored
+        for operand, output in unstored:
+            if output is node:
+                self.store(operand, node)
+        return [(operand, output) for operand, output in unstored if output is not node]
 
     def tile_width(self, others: int) -> int:
         """Elements of the tiled axis a program takes, when each of them comes with ``others``
@@ -915,6 +932,33 @@ class _Lowerer:
                       and self.cops[self.cops[g].args[0]].args[1] is node]  # fmt: skip
             op.row_group = groups[0] if groups else 0
         return op
+
+
+def _loaded_where_used(loads: list[str], body: list[str]) -> list[str]:
+    """``body`` with each of the input ``loads`` (``inK = tl.load(...)``, and the split of a
+    complex pair after it) moved to just before the first statement that reads it (before the
+    loop a reading line is indented in): an operand read only after a reduction (a norm's
+    weight) holds no registers through it."""
+    pending: list[tuple[str, list[str]]] = []
+    for line in loads:
+        target = line.split(" = ", 1)[0]
+        if pending and target == f"{pending[-1][0]}_re, {pending[-1][0]}_im":
+            pending[-1][1].append(line)  # the split of the complex pair just loaded
+        else:
+            pending.append((target, [line]))
+    readers = {name: re.compile(rf"\b{name}(_re|_im)?\b") for name, _ in pending}
+    placed: list[str] = []
+    statement = 0  # where the statement the current line belongs to starts in ``placed``
+    for line in body:
+        if not line.startswith(" "):
+            statement = len(placed)
+        code = line.split("  # ", 1)[0]
+        for entry in [e for e in pending if readers[e[0]].search(code)]:
+            placed[statement:statement] = entry[1]
+            statement += len(entry[1])
+            pending.remove(entry)
+        placed.append(line)
+    return placed + [line for _, lines in pending for line in lines]
 
 
 def _table_rows(table: Operand) -> tuple[tuple[int, ...], int, str, str]:
@@ -1026,16 +1070,17 @@ class _AtRows:
         return self._line(node, expr if dtype in (torch.float32, torch.bool) else rounded(expr, dtype), dtype)
 
 
-def lower_region(traced: Traced, cops, nodes, inputs, outputs) -> RowProgram:
-    """Lower the region's nodes (in graph order) reading ``inputs`` and writing ``outputs``."""
+def lower_region(traced: Traced, cops, nodes, inputs, outputs, in_place=()) -> RowProgram:
+    """Lower the region's nodes (in graph order) reading ``inputs`` and writing ``outputs``
+    (those in ``in_place`` into a caller's buffer)."""
     for node in nodes:
         if cops[node].kind not in (COMPUTE, UNIT_VIEW):
             raise LoweringError(f"`{node.name}` ({cops[node].op}) is not an elementwise or reduction op")
-    program = _Lowerer(traced, cops, nodes, inputs, outputs).lower()
+    program = _Lowerer(traced, cops, nodes, inputs, outputs, in_place).lower()
     if program.tiled:
 
         def body_at(width: int) -> list[str]:
-            return _Lowerer(traced, cops, nodes, inputs, outputs).lower(block_last=width).body
+            return _Lowerer(traced, cops, nodes, inputs, outputs, in_place).lower(block_last=width).body
 
         program.widths = _launch_widths(program, body_at)
     return program
