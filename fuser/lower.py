@@ -18,7 +18,6 @@ The result is plain data (:class:`fuser.program.RowProgram`) that the Jinja temp
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -883,7 +882,6 @@ class _Lowerer:
         self._operands = ins
         for operand, node in zip(ins, self.inputs):
             self.load(operand, node)
-        loads = len(self.lines)
         unstored = list(zip(outs, self.outputs))
         for node in self.nodes:
             if node in self.regathered:
@@ -896,7 +894,6 @@ class _Lowerer:
             unstored = self._store_fresh(node, unstored)
         for operand, node in unstored:
             self.store(operand, node)
-        self.lines = _loaded_where_used(self.lines[:loads], self.lines[loads:])
         names = {self.cops[n].op for n in self.nodes}
         leading = self.tiled and self._leading
         per_warp = elements_per_warp(bool(names & ops.REDUCING), self.tiled, leading, names)
@@ -932,33 +929,6 @@ class _Lowerer:
                       and self.cops[self.cops[g].args[0]].args[1] is node]  # fmt: skip
             op.row_group = groups[0] if groups else 0
         return op
-
-
-def _loaded_where_used(loads: list[str], body: list[str]) -> list[str]:
-    """``body`` with each of the input ``loads`` (``inK = tl.load(...)``, and the split of a
-    complex pair after it) moved to just before the first statement that reads it (before the
-    loop a reading line is indented in): an operand read only after a reduction (a norm's
-    weight) holds no registers through it."""
-    pending: list[tuple[str, list[str]]] = []
-    for line in loads:
-        target = line.split(" = ", 1)[0]
-        if pending and target == f"{pending[-1][0]}_re, {pending[-1][0]}_im":
-            pending[-1][1].append(line)  # the split of the complex pair just loaded
-        else:
-            pending.append((target, [line]))
-    readers = {name: re.compile(rf"\b{name}(_re|_im)?\b") for name, _ in pending}
-    placed: list[str] = []
-    statement = 0  # where the statement the current line belongs to starts in ``placed``
-    for line in body:
-        if not line.startswith(" "):
-            statement = len(placed)
-        code = line.split("  # ", 1)[0]
-        for entry in [e for e in pending if readers[e[0]].search(code)]:
-            placed[statement:statement] = entry[1]
-            statement += len(entry[1])
-            pending.remove(entry)
-        placed.append(line)
-    return placed + [line for _, lines in pending for line in lines]
 
 
 def _table_rows(table: Operand) -> tuple[tuple[int, ...], int, str, str]:

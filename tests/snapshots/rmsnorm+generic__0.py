@@ -53,7 +53,7 @@ def to_e4m3(x):
 
 
 @triton.jit
-def rmsnorm_generic_59e9ae58d5e6_kernel(
+def rmsnorm_generic_fdcff33eba43_kernel(
     in0_ptr, in0_stride_0, in0_stride_1, in0_stride_2,
     in1_ptr, in1_stride_row,
     in2_ptr, in2_stride_row, in2_stride_0,
@@ -67,29 +67,29 @@ def rmsnorm_generic_59e9ae58d5e6_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     in0 = tl.load(in1_ptr + row * in1_stride_row)  # positions
+    in1 = tl.load(in2_ptr + row * in2_stride_row + tl.arange(0, 64) * in2_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # getitem_10
+    in2 = tl.load(in3_ptr + tl.arange(0, 64) * in3_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # self_attn_q_norm_weight
+    in3 = tl.load(in4_ptr + row * in4_stride_row + tl.arange(0, 32) * in4_stride_0)  # getitem_11
+    in4 = tl.load(in5_ptr + tl.arange(0, 32) * in5_stride_0)  # self_attn_kv_norm_weight
     v5_idx = in0  # positions
     v5_idx = tl.minimum(tl.maximum(tl.where(v5_idx < 0, v5_idx + 64, v5_idx), 0), 64 - 1)
     v5 = tl.load(in0_ptr + v5_idx * in0_stride_0 + tl.arange(0, 4)[:, None] * in0_stride_1 + tl.arange(0, 2)[None, :] * in0_stride_2)  # getitem_9
     v5_re, v5_im = tl.split(v5)
-    in1 = tl.load(in2_ptr + row * in2_stride_row + tl.arange(0, 64) * in2_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # getitem_10
     v6 = in1.to(tl.float32)  # float_3
     v7 = v6 * v6  # pow_3
     v8 = tl.expand_dims(tl.sum(tl.where((tl.arange(0, 64) < 48), v7, 0.0), axis=0), 0) / 48.0  # mean_2
     v9 = v8 + 1e-06  # add_46
     v10 = tl.rsqrt(v9)  # rsqrt_2
     v11 = v6 * v10  # mul_8
-    in2 = tl.load(in3_ptr + tl.arange(0, 64) * in3_stride_0, mask=(tl.arange(0, 64) < 48), other=0.0)  # self_attn_q_norm_weight
     v12 = v11 * in2.to(tl.float32)  # mul_9
     v13 = to_bf16(v12)  # to_2
     tl.store(out0_ptr + row * out0_stride_row + tl.arange(0, 64) * out0_stride_0, v13, mask=(tl.arange(0, 64) < 48))
-    in3 = tl.load(in4_ptr + row * in4_stride_row + tl.arange(0, 32) * in4_stride_0)  # getitem_11
     v14 = in3.to(tl.float32)  # float_6
     v15 = v14 * v14  # pow_5
     v16 = tl.expand_dims(tl.sum(v15, axis=0), 0) / 32.0  # mean_4
     v17 = v16 + 1e-06  # add_48
     v18 = tl.rsqrt(v17)  # rsqrt_4
     v19 = v14 * v18  # mul_12
-    in4 = tl.load(in5_ptr + tl.arange(0, 32) * in5_stride_0)  # self_attn_kv_norm_weight
     v20 = v19 * in4.to(tl.float32)  # mul_13
     v21 = tl.sum(tl.where(tl.arange(0, 4)[:, None] == 3, tl.reshape(v20, (4, 8)), 0.0), axis=0)  # getitem_14
     v22 = tl.reshape(v21, (4, 2))  # unflatten_3
@@ -125,7 +125,7 @@ def rmsnorm_generic_59e9ae58d5e6_kernel(
 
 
 def launch(in0, in1, in2, in3, in4, in5):
-    """Run rmsnorm_generic_59e9ae58d5e6_kernel: returns (out0, out1, out2, out3,)."""
+    """Run rmsnorm_generic_fdcff33eba43_kernel: returns (out0, out1, out2, out3,)."""
     n_rows = in1.shape[0]
     out0 = torch.empty((n_rows, 48), dtype=torch.bfloat16, device=in1.device)
     out1 = torch.empty((n_rows, 8), dtype=torch.bfloat16, device=in1.device)
@@ -133,7 +133,7 @@ def launch(in0, in1, in2, in3, in4, in5):
     out3 = torch.empty((n_rows, 3), dtype=torch.float32, device=in1.device)
     in0_pairs = torch.view_as_real(in0.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        rmsnorm_generic_59e9ae58d5e6_kernel[(n_rows,)](
+        rmsnorm_generic_fdcff33eba43_kernel[(n_rows,)](
             in0_pairs, in0_pairs.stride(0), in0_pairs.stride(1), in0_pairs.stride(2),
             in1, in1.stride(0),
             in2, in2.stride(0), in2.stride(1),

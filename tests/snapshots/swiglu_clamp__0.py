@@ -46,7 +46,7 @@ def to_e4m3(x):
 
 
 @triton.jit
-def swiglu_clamp_2c1924537de4_kernel(
+def swiglu_clamp_077f7d34c779_kernel(
     in0_ptr, in0_stride_row, in0_stride_0,
     in1_ptr, in1_stride_row, in1_stride_0,
     out0_ptr, out0_stride_row, out0_stride_0,
@@ -55,8 +55,8 @@ def swiglu_clamp_2c1924537de4_kernel(
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1) * BLOCK_TILE + tl.arange(0, BLOCK_TILE)
     in0 = tl.load(in0_ptr + row * in0_stride_row + tile * in0_stride_0, mask=(tile < 32), other=0.0)  # getitem
-    v2 = to_bf16(tl.minimum(in0.to(tl.float32), 10.0, propagate_nan=tl.PropagateNan.ALL))  # clamp
     in1 = tl.load(in1_ptr + row * in1_stride_row + tile * in1_stride_0, mask=(tile < 32), other=0.0)  # getitem_1
+    v2 = to_bf16(tl.minimum(in0.to(tl.float32), 10.0, propagate_nan=tl.PropagateNan.ALL))  # clamp
     v3 = to_bf16(tl.minimum(tl.maximum(in1.to(tl.float32), -10.0, propagate_nan=tl.PropagateNan.ALL), 10.0, propagate_nan=tl.PropagateNan.ALL))  # clamp_1
     v4 = v2.to(tl.float32)  # float_1
     v5 = v4 * tl.sigmoid(v4)  # silu
@@ -68,11 +68,11 @@ def swiglu_clamp_2c1924537de4_kernel(
 
 
 def launch(in0, in1):
-    """Run swiglu_clamp_2c1924537de4_kernel: returns (out0,)."""
+    """Run swiglu_clamp_077f7d34c779_kernel: returns (out0,)."""
     n_rows = in0.shape[0]
     out0 = torch.empty((n_rows, 32), dtype=torch.bfloat16, device=in0.device)
     if n_rows > 0:
-        swiglu_clamp_2c1924537de4_kernel[(n_rows, triton.cdiv(32, 32))](
+        swiglu_clamp_077f7d34c779_kernel[(n_rows, triton.cdiv(32, 32))](
             in0, in0.stride(0), in0.stride(1),
             in1, in1.stride(0), in1.stride(1),
             out0, out0.stride(0), out0.stride(1),
