@@ -7,7 +7,9 @@ Each value lives in registers as a block: its shape without the token dim, each 
 a power of two. Inputs are loaded through their runtime strides
 (so views, slices and non-contiguous tensors need no copy); values without a token dim
 (weights) are loaded whole and broadcast. Every op computes in fp32 and rounds to the dtype
-the eager op returns, so bf16 rounding happens exactly where PyTorch rounds.
+the eager op returns, so bf16 rounding happens exactly where PyTorch rounds. Operands are all
+loaded first (one memory round trip); each output the kernel allocates is stored where it is
+computed, one written into a caller's buffer last.
 
 How each op lowers comes from the op table (fuser/ops.py): a pointwise op's Triton expression,
 or the ``lower_<name>`` method of :class:`_Lowerer` that its entry names.

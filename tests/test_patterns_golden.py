@@ -689,6 +689,49 @@ def test_a_result_copied_into_a_slice_is_written_there(dim, rope, dtype):
     assert "setitem" in chain.nodes, report.text()
 
 
+class AddThenNorm(nn.Module):
+    """A decoder layer's residual add and the RMSNorm after it; both results are read after it."""
+
+    def __init__(self, dim, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x, residual):
+        h = x + residual
+        hf = h.float()
+        return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype) * self.weight, h
+
+
+def the_plan(module, inputs):
+    import fuser.api
+
+    plan = fuser.api.plan(module, inputs, validate=False)
+    (kernel,) = plan.kernels
+    return plan, kernel
+
+
+def test_a_result_the_kernel_allocates_is_stored_where_it_is_computed():
+    """The residual sum is stored before the norm's reduction, so it holds no registers through it."""
+    _, kernel = the_plan(AddThenNorm(48, torch.bfloat16), (randn(gen(0), 3, 48, dtype=torch.bfloat16),) * 2)
+    body = kernel.spec.program.body
+    stores = [i for i, line in enumerate(body) if line.startswith("tl.store(")]
+    (reduction,) = [i for i, line in enumerate(body) if "tl.sum(" in line]
+    assert len(stores) == 2 and stores[0] < reduction < stores[1], "\n".join(body)
+
+
+@pytest.mark.parametrize("output", [0, 1])
+def test_a_result_written_into_a_callers_buffer_is_stored_last(output):
+    """Written into a caller's buffer (which the kernel may also read), either result of the add
+    + norm is stored after the rest of the body, the residual sum too."""
+    from fuser.lower import lower_region
+
+    plan, kernel = the_plan(AddThenNorm(48, torch.bfloat16), (randn(gen(0), 3, 48, dtype=torch.bfloat16),) * 2)
+    region = kernel.region
+    program = lower_region(plan.traced, plan.cops, region.nodes, region.inputs, region.outputs, {region.outputs[output]})
+    body = program.body
+    assert body[-1].startswith(f"tl.store({program.outputs[output].name}_ptr"), "\n".join(body)
+
+
 def kv_norm_rope_fp8(kv, weight, freqs, rope, block):
     """DSV4.md C5: kv_norm in fp32 (not rounded), RoPE on the last ``rope`` dims rounded to bf16,
     the rest quantised to FP8 e4m3 with one UE8M0 scale per ``block`` values."""
