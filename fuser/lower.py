@@ -19,13 +19,18 @@ The result is plain data (:class:`fuser.program.RowProgram`) that the Jinja temp
 
 from __future__ import annotations
 
+import builtins
+import itertools
+import keyword
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from fuser import ops
+from fuser.body import tidy
 from fuser.canon import COMPUTE, UNIT_VIEW, COp
 from fuser.launch_config import elements_per_warp, warps_for
 from fuser.program import TL_DTYPES, Operand, RowProgram, operand
@@ -120,6 +125,8 @@ class _Lowerer:
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
         self.helpers: set[str] = set()
+        self.taken: set[str] = set()  # locals (and their companions) in use
+        self.masks: dict[str, str] = {}  # mask expression -> the local it is built in, once
         # Tables read only through a row gather are never loaded whole, nor at this program's row.
         self.gathered = {n for n in self.inputs if self._only_gathered(n)}
         self.regathered = self._regathered()
@@ -273,18 +280,33 @@ class _Lowerer:
         return "BLOCK_TILE" if scale == 1 else f"{scale} * BLOCK_TILE"
 
     def mask(self, node: fx.Node) -> str | None:
+        """The local holding which lanes of ``node``'s padded block are real (None: all are),
+        built once, at the top of the body."""
         shape = self.block_shape(node)
         terms = [
             f"({self.axis_index(node, axis, len(shape))} < {size})"
             for axis, size in enumerate(shape)
             if self.is_tiled(node, axis) or pow2(size) != size
         ]
-        return " & ".join(terms) if terms else None
+        if not terms:
+            return None
+        expr = " & ".join(terms)
+        if expr not in self.masks:
+            self.masks[expr] = f"mask{len(self.masks)}"
+        return self.masks[expr]
 
     # --- code --------------------------------------------------------------------------------
-    def fresh(self, node: fx.Node, prefix: str = "v") -> str:
-        name = f"{prefix}{len(self.names)}"
-        self.names[node] = name
+    def fresh(self, node: fx.Node) -> str:
+        """A local for ``node``'s value, named after the node."""
+        self.names[node] = self.local(node.name)
+        return self.names[node]
+
+    def local(self, base: str) -> str:
+        """A new local called ``base`` (``add_1``), or ``v_<base>[_<n>]`` when that name, or a
+        companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's."""
+        candidates = itertools.chain([base, f"v_{base}"], (f"v_{base}_{n}" for n in itertools.count(1)))
+        name = next(c for c in candidates if _free(c, self.taken))
+        self.taken.update(name + suffix for suffix in _COMPANIONS)
         return name
 
     def f32(self, arg) -> str:
@@ -302,8 +324,12 @@ class _Lowerer:
         return f"{name}.to(tl.float32)"
 
     def emit(self, node: fx.Node, expr: str, layout_only: bool = False):
-        """``name = expr``, rounded to the node's dtype unless it only moves values around."""
+        """``name = expr``, rounded to the node's dtype unless it only moves values around; a
+        layout op that leaves the block as it is names its source's local, no copy."""
         dtype = self.traced.value(node).dtype
+        if layout_only and expr in self.taken:
+            self.names[node], self.dtypes[node] = expr, dtype
+            return
         name = self.fresh(node)
         if dtype not in (torch.float32, torch.bool) and not layout_only:
             expr = rounded(expr, dtype)
@@ -314,7 +340,7 @@ class _Lowerer:
         if node in self.gathered or node in self.regathered:
             return
         row = f"row * {operand.name}_stride_row" if operand.has_rows else None
-        self._emit_load(node, self.fresh(node, "in"), operand, row)
+        self._emit_load(node, self.fresh(node), operand, row)
 
     def _emit_load(self, node: fx.Node, name: str, operand: Operand, row: str | None, first_stride: int = 0):
         """``name = tl.load(...)`` of ``node``'s block from ``operand``: ``row`` offsets the
@@ -540,8 +566,7 @@ class _Lowerer:
             return self.slice_columns(node, name, cop)
         if op in ("topk_values", "topk_indices"):
             values, indices = self.names[args[0]]
-            self.lines.append(f"{name} = {values if op == 'topk_values' else indices}  # {node.name}")
-            self.names[node] = name
+            self.names[node] = values if op == "topk_values" else indices  # the top-k's own local
             return
         if op == "gather_last":
             return self.gather_last(node, name, cop)
@@ -620,9 +645,10 @@ class _Lowerer:
             self.names[node] = f"{name}_odd" if start else f"{name}_even"
             self.dtypes[node] = self.dtypes[src]
             return
-        if start == 0 and width == last:
-            picked = expr  # the same block; the columns past ``stop`` are masked from here on
-        elif start % width == 0 and last % width == 0:
+        if start == 0 and width == last:  # the same block; the columns past ``stop`` are masked from here on
+            self.names[node], self.dtypes[node] = expr, self.dtypes[src]
+            return
+        if start % width == 0 and last % width == 0:
             rows = f"tl.reshape({self.f32(src)}, {shape[:-1] + (last // width, width)})"
             which = _expand(f"tl.arange(0, {last // width})", rank - 1, rank + 1)
             picked = _selected(f"{which} == {start // width}", rows, rank - 1)
@@ -675,7 +701,7 @@ class _Lowerer:
             raise LoweringError(f"`{node.name}`: top-{k} is more than {TOPK_LIMIT} picks")
         shape = self.padded(src)
         rank, axis = len(shape), len(shape) - 1
-        name = self.fresh(node, "topk")
+        name = self.fresh(node)
         cols = self.axis_index(src, axis, rank)
         picks = _expand(f"tl.arange(0, {pow2(k)})", axis, rank)
         x, mask = self.f32(src), self.mask(src)
@@ -747,8 +773,7 @@ class _Lowerer:
             raise LoweringError(f"`{node.name}`: a row gather must read its table directly")
         t = operands[table]
         shape, first, count, stride_row = _table_rows(t)
-        self.lines.append(f"{name}_idx = {self.names[index]}  # {index.name}")
-        self.lines.append(f"{name}_idx = {_wrapped(f'{name}_idx', count)}")
+        self.lines.append(f"{name}_idx = {_wrapped(self.names[index], count)}  # {index.name}")
         gathered = Operand(t.name, table.name, shape, t.dtype, True)
         self._emit_load(node, name, gathered, f"{name}_idx * {stride_row}", first_stride=first)
 
@@ -849,7 +874,7 @@ class _Lowerer:
         worst, best = ("float('-inf')", "tl.max") if largest else ("float('inf')", "tl.min")
         nan_rank = "float('inf')" if largest else "float('-inf')"
         x, mask = self.f32(src), self.mask(src)
-        name = self.fresh(node, "arg")
+        name = self.fresh(node)
         ranked = f"tl.where({x} != {x}, {nan_rank}, {x})"
         self.lines.append(f"{name}_rank = {f'tl.where({mask}, {ranked}, {worst})' if mask else ranked}  # {node.name}")
         self.lines.append(f"{name}_best = tl.expand_dims({best}({name}_rank, axis={axis}), {axis})")
@@ -896,6 +921,8 @@ class _Lowerer:
             unstored = self._store_fresh(node, unstored)
         for operand, node in unstored:
             self.store(operand, node)
+        masks = [f"{name} = {expr}" for expr, name in self.masks.items()]
+        self.lines = tidy(masks + self.lines)
         names = {self.cops[n].op for n in self.nodes}
         leading = self.tiled and self._leading
         per_warp = elements_per_warp(bool(names & ops.REDUCING), self.tiled, leading, names)
@@ -931,6 +958,23 @@ class _Lowerer:
                       and self.cops[self.cops[g].args[0]].args[1] is node]  # fmt: skip
             op.row_group = groups[0] if groups else 0
         return op
+
+
+# What a local's name may be followed by, for the values that come with it (a complex value's
+# parts, a top-k's values and indices, a gather's row index, an argmax's ranks).
+_COMPANIONS = ("", "_re", "_im", "_even", "_odd", "_key", "_val", "_idx", "_rank", "_best", "_pairs")
+# Names a kernel's body already uses: the frame's (row, tile, helpers, modules), the operands'
+# pointers and strides (inN_..., outN_...), the masks and the loop's locals.
+_FRAME_NAME = re.compile(r"(row|tile\d*|tl|triton|torch|os|math|to_bf16|to_e4m3|expm1_f32|tanh_f32"
+                         r"|BLOCK_TILE|(in|out)\d+(_.*)?|mask\d+|_.*)$")  # fmt: skip
+
+
+def _free(name: str, taken: set[str]) -> bool:
+    """May a local be called ``name``: not a Python keyword or builtin, not a name of the
+    kernel's frame, and neither it nor a companion of it taken?"""
+    if keyword.iskeyword(name) or name in dir(builtins) or _FRAME_NAME.match(name):
+        return False
+    return not any(name + suffix in taken for suffix in _COMPANIONS)
 
 
 def _table_rows(table: Operand) -> tuple[tuple[int, ...], int, str, str]:
@@ -974,7 +1018,7 @@ class _AtRows:
         return name if self.dtypes[arg] in (torch.float32, torch.bool) else f"{name}.to(tl.float32)"
 
     def _line(self, node: fx.Node, expr: str, dtype: torch.dtype) -> str:
-        name = f"{self.rows}_{len(self.names)}"
+        name = self.lowerer.local(f"{node.name}_at_{self.rows}")
         self.lowerer.lines.append(f"{name} = {expr}  # {node.name} at the gathered rows")
         self.dtypes[node] = dtype
         return name
