@@ -302,10 +302,9 @@ class _Lowerer:
         return self.names[node]
 
     def local(self, base: str) -> str:
-        """A new local called ``base`` (``add_1``), or ``v_<base>[_<n>]`` when that name, or a
-        companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's."""
-        candidates = itertools.chain([base, f"v_{base}"], (f"v_{base}_{n}" for n in itertools.count(1)))
-        name = next(c for c in candidates if _free(c, self.taken))
+        """A new local called ``base`` (``add_1``), or another name (:func:`_named`) when that
+        one, or a companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's."""
+        name = _named(base, self.taken)
         self.taken.update(name + suffix for suffix in _COMPANIONS)
         return name
 
@@ -889,8 +888,11 @@ class _Lowerer:
     def lower(self, block_last: int | None = None) -> RowProgram:
         """The region's row program; a tiled one with ``block_last`` elements of the tiled axis
         a program (default: :meth:`tile_width`)."""
-        ins = [self._operand(n, f"in{i}") for i, n in enumerate(self.inputs)]
-        outs = [self._operand(n, f"out{i}") for i, n in enumerate(self.outputs)]
+        names = _operand_names(self.inputs + self.outputs)
+        ins = [self._operand(n, name) for n, name in zip(self.inputs, names)]
+        outs = [self._operand(n, name) for n, name in zip(self.outputs, names[len(self.inputs) :])]
+        for op in ins + outs:  # no local may be called as a kernel argument is
+            self.taken.update([f"{op.name}_ptr", *op.stride_args])
         self.contracted = self._contractions()
         values = [
             n for n in self.nodes + self.inputs
@@ -960,13 +962,29 @@ class _Lowerer:
         return op
 
 
+def _operand_names(nodes: list[fx.Node]) -> list[str]:
+    """The kernel's name for each node it reads or writes: the node's own (``residual``, so the
+    arguments read ``residual_ptr``, ``residual_stride_row``), unless another operand or the
+    frame has it."""
+    names: list[str] = []
+    for node in nodes:
+        names.append(_named(node.name, set(names)))
+    return names
+
+
+def _named(base: str, taken: set[str]) -> str:
+    """``base``, or ``v_<base>``, or ``v_<base>_<n>``: the first that is free (:func:`_free`)."""
+    candidates = itertools.chain([base, f"v_{base}"], (f"v_{base}_{n}" for n in itertools.count(1)))
+    return next(c for c in candidates if _free(c, taken))
+
+
 # What a local's name may be followed by, for the values that come with it (a complex value's
 # parts, a top-k's values and indices, a gather's row index, an argmax's ranks).
 _COMPANIONS = ("", "_re", "_im", "_even", "_odd", "_key", "_val", "_idx", "_rank", "_best", "_pairs")
-# Names a kernel's body already uses: the frame's (row, tile, helpers, modules), the operands'
-# pointers and strides (inN_..., outN_...), the masks and the loop's locals.
+# Names a kernel module already uses: the frame's (row, tile, helpers, modules, the launcher's
+# locals), the masks and the loops' locals.
 _FRAME_NAME = re.compile(r"(row|tile\d*|tl|triton|torch|os|math|to_bf16|to_e4m3|expm1_f32|tanh_f32"
-                         r"|BLOCK_TILE|(in|out)\d+(_.*)?|mask\d+|_.*)$")  # fmt: skip
+                         r"|BLOCK_TILE|n_rows|block_tile|num_warps|launch|mask\d+|_.*)$")  # fmt: skip
 
 
 def _free(name: str, taken: set[str]) -> bool:
