@@ -16,7 +16,7 @@ last MoE kernel at T=1 in its layer: 2.4 µs at 64 columns against 3.4 at 512). 
 the default: wider tiles, faster on that kernel alone at T=512, were slower in the layer (7.4
 against 6.6 µs at 1024 columns; Qwen3-MoE's 7.6 against 6.6).
 
-The region is seen through its lowerer (:class:`fuser.lower._Lowerer`): its ops, nodes,
+The region is seen through its lowerer (:class:`fuser.lower.Lowerer`): its ops, nodes,
 outputs and the block shape of each value.
 """
 

@@ -331,12 +331,12 @@ def test_fp32_accuracy_over_a_wide_range(case):
 def test_every_table_op_has_a_lowering():
     """Each entry is pointwise (with an expression, float or integer) or names a lowering
     method that exists."""
-    from fuser.lower import _Lowerer
+    from fuser.lower import Lowerer
 
     for name, op in ops.TABLE.items():
         if op.kind == ops.POINTWISE and (op.triton or op.integer):
             continue
-        assert op.lowering and hasattr(_Lowerer, f"lower_{op.lowering}"), name
+        assert op.lowering and hasattr(Lowerer, f"lower_{op.lowering}"), name
 
 
 class TopK(nn.Module):

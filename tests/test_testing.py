@@ -6,7 +6,7 @@ import textwrap
 import torch
 
 import fuser.api
-import fuser.lower
+import fuser.lower_code
 import fuser.passes
 from fuser.pattern import load_pattern, patterns_dir
 from fuser.testing import golden_tests, pattern_cases, run_pattern_file
@@ -80,7 +80,7 @@ def test_run_pattern_file_fails_a_kernel_that_computes_other_math(tmp_path, monk
     """sigmoid lowered as exp, and fuser's own validation skipped: the wrong kernel is installed,
     and the comparison with the reference catches it."""
     monkeypatch.setenv("FUSER_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setitem(fuser.lower._EXPRESSIONS, "sigmoid", "tl.exp({a})")
+    monkeypatch.setitem(fuser.lower_code.EXPRESSIONS, "sigmoid", "tl.exp({a})")
     monkeypatch.setattr(fuser.passes, "validate_kernel", lambda *args: None)
     out = io.StringIO()
     assert run_pattern_file(str(QUICK_GELU), out) == 1
