@@ -327,6 +327,8 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         names = operand_names(self.inputs + self.outputs)
         ins = [self._operand(n, name) for n, name in zip(self.inputs, names)]
         outs = [self._operand(n, name) for n, name in zip(self.outputs, names[len(self.inputs) :])]
+        if not any(op.has_rows and not op.broadcast_rows and op.row_group for op in ins):
+            raise LoweringError("no input of the chain follows the tokens: nothing gives its row count")
         for op in ins + outs:  # no local may be called as a kernel argument is
             self.taken.update([f"{op.name}_ptr", *op.stride_args])
         self.contracted = self._contractions()

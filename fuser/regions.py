@@ -452,13 +452,15 @@ def feeds(a: Region, b: Region) -> bool:
 
 def siblings(builder: RegionBuilder, a: Region, b: Region, traced) -> bool:
     """Do ``a`` and ``b`` read the same activation (one floating-point tensor, or views of it,
-    or the same per-token positions, as MoE's gathers by ``perm``)? Two such kernels run as one
-    (a horizontal fusion) where the program order allows."""
+    or the same per-token positions, as MoE's gathers by ``perm``; one computed at run time
+    and broadcast over the tokens counts too, as the RoPE ``cos`` and ``sin`` of a decode step
+    whose positions are one row for the whole batch)? Two such kernels run as one (a
+    horizontal fusion) where the program order allows."""
 
     def activations(region):
         return {
             builder.alias[n] for n in region.inputs
-            if n.op != "get_attr" and traced.batch_dims(n) and _activation_or_positions(traced.value(n))
+            if n.op != "get_attr" and _activation_or_positions(traced.value(n))
         }  # fmt: skip
 
     return bool(activations(a) & activations(b))

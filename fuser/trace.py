@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 from torch.fx.node import map_aggregate
 
 from fuser import idioms
@@ -251,6 +252,12 @@ def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
     raise AssertionError(kind)
 
 
+def _holds_proxies(value) -> bool:
+    """Does a dataclass hold a traced value in a field (or inside a tuple, list or dict there)?"""
+    fields = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    return any(isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves(fields))
+
+
 class ShadowTracer(fx.Tracer):
     """fx tracer with shadow values, an opaque-leaf policy and refusals with locations."""
 
@@ -298,7 +305,12 @@ class ShadowTracer(fx.Tracer):
             # A submodule passed to a function (transformers' attention interface takes the
             # attention module): an attribute read, with the module as its shadow value.
             return self.create_proxy("get_attr", self.path_of_module(a), (), {}).node
-        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth:
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth and _holds_proxies(a):
+            # A dataclass holding traced values (a model's output, transformers' ModelOutput,
+            # which fx would take for a plain dict): built in the graph from its fields.
+            fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
+            node = self.create_node("call_function", type(a), (), fields)
+        elif dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth:
             # A dataclass given as itself (transformers' config): fx would build it again in
             # the graph, running its __init__ at every call; it is read as the object instead.
             name = self.get_fresh_qualname("_constant_")

@@ -103,3 +103,36 @@ def test_a_step_without_the_cache_runs_the_eager_layers():
     assert refused and refused[0], refused  # (a call without a cache has no mask either)
     problem = mismatch(got, expected, "logits", LAYER)  # the final norm and rotary tables are fused
     assert problem is None, problem
+
+
+def test_the_q_and_k_paths_of_a_decode_step_run_as_one_kernel():
+    """A decode step's RoPE cos and sin are one row for the whole batch (the batch shares its
+    positions), broadcast over the tokens: the q norm + RoPE and the k norm + RoPE both read
+    them, so they run as one kernel, as they do where each token has its own position."""
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    reads = [set(chain.inputs) for chain in group.report.chains]
+    both = [r for r in reads if {"self_attn_q_norm_weight", "self_attn_k_norm_weight"} <= r]
+    assert len(both) == 1, group.report.text()
+
+
+def test_a_model_of_one_layer_is_fused_as_one_module_and_decodes_as_eager():
+    """No repeated layers: the whole model is one trace. The chains there that follow no token
+    (the cache positions, the mask's arithmetic) stay eager; the rest fuses, the last residual
+    add with the final norm too."""
+    model = causal_lm("qwen3", layers=1)
+    cache, tokens = prefilled(model)
+    eager_cache, fused_cache, example = (copy.deepcopy(cache) for _ in range(3))
+    eager = greedy(copy.deepcopy(model), eager_cache, tokens)
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, example))
+    assert report.launches_after < report.launches_before / 2, report.text()
+    assert any("no input of the chain follows the tokens" in u.reason or "follows the tokens" in u.reason
+               for u in report.unfused), report.text()  # fmt: skip
+
+    fused = greedy(model, fused_cache, tokens)
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
