@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 from torch.fx.node import map_aggregate
+from torch.utils import _pytree as pytree
 
 from fuser import idioms
 from fuser.leaves import (
@@ -305,12 +305,13 @@ class ShadowTracer(fx.Tracer):
             # A submodule passed to a function (transformers' attention interface takes the
             # attention module): an attribute read, with the module as its shadow value.
             return self.create_proxy("get_attr", self.path_of_module(a), (), {}).node
-        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth and _holds_proxies(a):
+        dataclass = dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth
+        if dataclass and _holds_proxies(a):
             # A dataclass holding traced values (a model's output, transformers' ModelOutput,
             # which fx would take for a plain dict): built in the graph from its fields.
             fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
             node = self.create_node("call_function", type(a), (), fields)
-        elif dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth:
+        elif dataclass:
             # A dataclass given as itself (transformers' config): fx would build it again in
             # the graph, running its __init__ at every call; it is read as the object instead.
             name = self.get_fresh_qualname("_constant_")
