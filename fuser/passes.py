@@ -35,7 +35,8 @@ from fuser.lower import LoweringError, lower_region
 from fuser.program import operand
 from fuser.match import Rejection, match_all
 from fuser.pattern import is_hand_written
-from fuser.regions import Region, RegionBuilder, feeds, fusible, merged, siblings, stored_in_place, widened
+from fuser.growth import feeds, merged, siblings, stored_in_place, widened
+from fuser.regions import Region, RegionBuilder, fusible
 from fuser.report import Rejected
 from fuser.trace import Traced
 from fuser.validation import record_values, validate as validate_kernel
