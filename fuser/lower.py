@@ -185,7 +185,7 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         return self.names[node]
 
     def local(self, base: str) -> str:
-        """A new local called ``base`` (``add_1``), or another name (:func:`_named`) when that
+        """A new local called ``base`` (``add_1``), or another name (:func:`fuser.lower_code.free_name`) when that
         one, or a companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's."""
         name = free_name(base, self.taken)
         self.taken.update(name + suffix for suffix in COMPANIONS)
@@ -327,6 +327,8 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         names = operand_names(self.inputs + self.outputs)
         ins = [self._operand(n, name) for n, name in zip(self.inputs, names)]
         outs = [self._operand(n, name) for n, name in zip(self.outputs, names[len(self.inputs) :])]
+        for op, node in zip(outs, self.outputs):
+            op.into = node in self.in_place
         if not any(op.has_rows and not op.broadcast_rows and op.row_group for op in ins):
             raise LoweringError("no input of the chain follows the tokens: nothing gives its row count")
         for op in ins + outs:  # no local may be called as a kernel argument is

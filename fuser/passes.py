@@ -138,8 +138,6 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
         outputs = [operand(traced, n, name) for n, name in zip(region.outputs, names)]
         return KernelSpec(region.template, region.pattern, inputs, outputs, region.params, region.match.sizes)
     program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs, region.stores)
-    for op, node in zip(program.outputs, region.outputs):
-        op.into = node in region.stores
     if region.template == "pointwise" and any(cops[n].op in REDUCING for n in region.nodes):
         raise LoweringError("the pointwise template takes no reductions")
     sizes = dict(region.match.sizes) if region.match else {}
