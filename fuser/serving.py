@@ -83,6 +83,7 @@ class Options:
     strict: bool = False  # FUSER_STRICT: raise instead of leaving a module eager
     precompute: bool = True  # FUSER_PRECOMPUTE: parameter-only glue computed once at fuse time
     compile_seam: bool = True  # FUSER_COMPILE_SEAM: replace the engine's torch.compile seam
+    explain: bool = False  # FUSER_EXPLAIN: log what is selected, and each fused module's full report
 
     @classmethod
     def from_env(cls, environ=None):
@@ -96,6 +97,7 @@ class Options:
             strict=env_flag(environ, "FUSER_STRICT"),
             precompute=env_flag(environ, "FUSER_PRECOMPUTE", True),
             compile_seam=env_flag(environ, "FUSER_COMPILE_SEAM", True),
+            explain=env_flag(environ, "FUSER_EXPLAIN"),
         )
 
     def apply_options(self) -> dict:
@@ -144,6 +146,14 @@ def give_up(name: str, reason: str, options: Options) -> None:
     if options.strict:
         raise fuser.FuserError(f"fuser: {name} cannot be fused: {reason}")
     log.warning("fuser: %s left eager: %s", name, reason)
+
+
+def log_fused(what: str, report, options: Options, note: str = "") -> None:
+    """Log that ``what`` was fused (its glue launches, eager -> fused); with ``options.explain``,
+    its whole report too, as ``fuser explain`` prints it."""
+    log.info("fuser: %s fused: %d glue launches -> %d%s", what, report.launches_before, report.launches_after, note)
+    if options.explain:
+        log.info("%s", report.text())
 
 
 def postponed_by_capture(waiting, name: str, options: Options) -> bool:
@@ -407,6 +417,17 @@ def target_decisions(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[s
     return decisions
 
 
+def decisions_text(name: str, layer: torch.nn.Module, decisions: list[tuple[str, str, str]]) -> str:
+    """``decisions`` (:func:`target_decisions` of ``layer``) as an indented table, under a line
+    naming the layer."""
+    width = max(len(path) + 2 * path.count(".") for path, _, _ in decisions)
+    lines = [f"fuser: {name} ({type(layer).__name__}): leaves, searched modules and fusion targets"]
+    for path, cls, decision in decisions:
+        indented = "  " * path.count(".") + path
+        lines.append(f"  {indented:<{width}}  {cls:<36} {decision}")
+    return "\n".join(lines)
+
+
 def fusion_targets(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[str, torch.nn.Module]]:
     """The submodules of ``layer`` to fuse (see :func:`target_decisions`)."""
     return [(path, layer.get_submodule(path)) for path, _, decision in target_decisions(layer, facts)
@@ -479,8 +500,7 @@ class LazyFusion:
         self.module.forward = wrapper
         self.state = "fused"
         read = self.globals.read()
-        log.info("fuser: %s fused: %d glue launches -> %d%s", self.name, self.report.launches_before,
-                 self.report.launches_after, f" (guarded on {read})" if read else "")
+        log_fused(self.name, self.report, self.options, f" (guarded on {read})" if read else "")
         if self.on_fused is not None:
             self.on_fused(self)
 
@@ -671,8 +691,7 @@ class ClosureSeam:
                 give_up(entry.name, str(e), self.options)
                 return
             entry.state = "fused"
-            log.info("fuser: compile seam: %s fused: %d glue launches -> %d", entry.name,
-                     entry.report.launches_before, entry.report.launches_after)
+            log_fused(f"compile seam: {entry.name}", entry.report, self.options)
 
     def summary(self) -> list[dict]:
         """Each closure seen: its name, state and launches (eager -> fused)."""

@@ -42,6 +42,9 @@ Configuration (environment, inherited by the scheduler processes):
     FUSER_LEAVES=x,y            extra opaque leaves (module paths, class or function names)
     FUSER_DRAFT=1               also fuse speculative-decoding draft models
     FUSER_STRICT=1              raise instead of leaving an unfusable module eager
+    FUSER_EXPLAIN=1             log what the splice selects in each layer class (leaves,
+                                searched modules, targets) and each fused module's and
+                                closure's whole report, as `fuser explain` prints it
     FUSER_PRECOMPUTE=0          read every weight live at each step (automatic with
                                 --startup-weight-load-mode overlap, whose real weights arrive
                                 after capture); by default parameter-only glue (a weight's
@@ -64,6 +67,7 @@ from fuser.serving import (
     EngineFacts,
     LazyFusion,
     ModeSplice,
+    decisions_text,
     fusion_targets,
     leaf_paths,
     target_decisions,
@@ -287,7 +291,7 @@ def layer_class_matches(cls: type, names: tuple[str, ...]) -> bool:
 def install(model: torch.nn.Module, options: Options) -> list[ModeSplice]:
     """Put every decoder layer of ``model`` whose class is in ``options.layers`` under a
     decode splice. Nothing is traced here: each target is fused at its first decode call."""
-    splices = []
+    splices, explained = [], set()
     for name, module in model.named_modules():
         if not layer_class_matches(type(module), options.layers) or SPLICE_ATTR in module.__dict__:
             continue
@@ -304,6 +308,11 @@ def install(model: torch.nn.Module, options: Options) -> list[ModeSplice]:
                      "own kernels are leaves; the rest passes forward_batch to attention); its mHC "
                      "glue is fused through the compile seam", name, type(module).__name__)
             continue
+        if options.explain:  # once for each layer class and structure
+            decided = target_decisions(module, facts)
+            if (type(module), tuple(decided)) not in explained:
+                explained.add((type(module), tuple(decided)))
+                log.info("%s", decisions_text(name, module, decided))
         on_fused = lambda target, model=model: declare_weight_caches(model, target)
         splices.append(ModeSplice(name, module, decode_call, targets, options, facts, on_fused))
     return splices

@@ -29,6 +29,11 @@ def layers():
     return run_python(ENV_DIR / "layer_scenarios.py", {"FUSER_ENABLE": "1"})
 
 
+@pytest.fixture(scope="module")
+def explained():
+    return run_python(ENV_DIR / "layer_scenarios.py", {"FUSER_ENABLE": "1", "FUSER_EXPLAIN": "1"}, ["explain"])
+
+
 def called_targets(layers):
     return [(name, call) for name, call in layers["calls"].items()]
 
@@ -216,3 +221,39 @@ def test_the_real_layer_forward_in_capture_mode_runs_its_mhc_closures_fused(laye
     assert [e["name"].split(" ")[0].rsplit(".", 1)[-1] for e in seam] == ["hc_pre_torch_impl"] * 2
     assert {e["state"] for e in seam} == {"fused"}
     assert layers["torch_compile_calls"] == []
+
+
+def test_explain_logs_the_splice_decisions_once_per_layer_structure(explained):
+    tables = [m.splitlines() for m in explained["install_log"] if m.endswith("leaves, searched modules and fusion targets")
+              or "leaves, searched modules and fusion targets\n" in m]
+    # compress ratio 0, 4 (compressor and indexer) and 128 (compressor) differ; the alias is another class
+    assert [t[0].split()[1] for t in tables] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert [t[0].split()[2] for t in tables] == ["(DeepseekV4CudaDecoderLayer):"] * 3 + ["(DeepseekV4PlatformDecoderLayer):"]
+    for table in tables:
+        rows = {line.split()[0]: tuple(line.split()[1:]) for line in table[1:]}
+        assert rows["self_attn"] == ("MQALayer", "searched") and rows["mlp"] == ("DeepseekV2MoE", "target")
+        assert rows["self_attn.wqkv_a"] == ("ReplicatedLinear", "leaf")
+    assert ("C4Indexer", "searched") == {line.split()[0]: tuple(line.split()[1:]) for line in tables[1]}["self_attn.indexer"]
+
+
+def test_explain_logs_the_whole_report_of_each_fused_target_and_closure(explained):
+    log = explained["layer_forward"]["log"]
+    launches = explained["layer_forward"]["launches"]
+    assert set(launches) == {f"layers.{i}.{p}" for i in (0, 1) for p in CALLED}
+    for target, (before, after) in launches.items():
+        (at,) = [i for i, m in enumerate(log) if m.startswith(f"fuser: {target} fused: {before} glue launches -> {after}")]
+        report = log[at + 1]
+        assert report.startswith("fuser report for "), report
+        assert f"glue kernel launches per call: {before} eager -> {after} fused" in report
+    seam = {i: m.split()[3].split(".")[-1] for i, m in enumerate(log) if m.startswith("fuser: compile seam: ")}
+    # hc_pre once per layer (its closure holds the layer); post once (its cells hold no layer's values)
+    assert sorted(seam.values()) == ["hc_pre_torch_impl", "hc_pre_torch_impl", "post_torch_impl"]
+    for at, closure in seam.items():
+        launches = {"hc_pre_torch_impl": "6 eager -> 2 fused", "post_torch_impl": "5 eager -> 1 fused"}[closure]
+        assert log[at + 1].startswith(f"fuser report for {closure}") and launches in log[at + 1]
+
+
+def test_without_explain_the_plugin_logs_one_line_per_fused_module(layers):
+    for name, call in called_targets(layers):
+        (message,) = call["log"]
+        assert "\n" not in message and "fuser report" not in message

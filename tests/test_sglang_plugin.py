@@ -170,6 +170,7 @@ def test_options_from_env():
     assert opts.apply_options() == {"patterns": ["p.py", "q.py"], "leaves": ["x"]}
     assert Options.from_env({"FUSER_PRECOMPUTE": "0"}).apply_options() == {"precompute": False}
     assert opts.compile_seam and not Options.from_env({"FUSER_COMPILE_SEAM": "0"}).compile_seam
+    assert Options.from_env({"FUSER_EXPLAIN": "1"}).explain and not opts.explain
 
 
 def test_a_bad_flag_value_is_an_error_naming_the_variable():

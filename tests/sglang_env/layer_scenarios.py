@@ -50,14 +50,20 @@ TOKENS = (4, 1, 13)
 GEMM_OPS = ("linear", "mm", "matmul", "bmm", "addmm", "einsum")
 
 
-def main() -> dict:
-    out = {}
+def setup() -> None:
+    """sglang's torch fallbacks, its plugin loader (FUSER_ENABLE=1: the compile seam and the
+    initialize hook), world size 1, and the Sinkhorn's torch reference."""
     use_torch_fallbacks()
     from sglang.srt.plugins import load_plugins
 
-    load_plugins()  # FUSER_ENABLE=1: the compile seam and the initialize hook
+    load_plugins()
     init_single_process_dist()
     sinkhorn_on_cpu()
+
+
+def main() -> dict:
+    out = {}
+    setup()
     from sglang.srt.models import deepseek_v4
 
     from fuser import sglang_plugin, sglang_seam
@@ -102,6 +108,24 @@ def main() -> dict:
     out["layer_forward"]["seam"] = sglang_seam.seam().summary()[len(out["seam_summary"]):]
     out["torch_compile_calls"] = compiled
     return out
+
+
+def explain() -> dict:
+    """What the plugin logs with FUSER_EXPLAIN=1: its decisions when it splices the real layers
+    (compress ratios 0, 4 and 128, and the alias class), then each target's and each compile
+    seam closure's whole report as the layer forward (attention a stand-in) fuses them."""
+    setup()
+    from sglang.srt.models import deepseek_v4
+
+    from fuser import sglang_plugin
+
+    _, layers = build_dsv4_layers(deepseek_v4.DeepseekV4CudaDecoderLayer)
+    config, alias_layers = build_dsv4_layers(deepseek_v4.DeepseekV4DecoderLayer, (0,))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([*layers, *alias_layers])
+    with captured_log() as messages:
+        sglang_plugin.install(model, sglang_plugin.Options.from_env())
+    return {"install_log": messages, "layer_forward": spliced_layer_forward(deepseek_v4.DeepseekV4CudaDecoderLayer, config)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -372,37 +396,38 @@ def spliced_layer_forward(layer_class, config) -> dict:
         layer.self_attn = AttentionStandIn(layer.self_attn, config.hidden_size)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(layers)
-    splices = sglang_plugin.install(model, sglang_plugin.Options.from_env())
-    g = torch.Generator().manual_seed(13)
-    out = {"targets": {s.name: [t.name for t in s.targets] for s in splices}, "errors": {}}
-    spies = {}
-    for tokens in TOKENS:
-        for layer, splice in zip(layers, splices):
-            streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
-            with torch.no_grad():
-                eager = run_layer(functools.partial(type(layer).forward, layer), layer, streams, decode_batch(tokens))
-                with capture_mode.model_capture_mode():
-                    fused = run_layer(layer, layer, streams, decode_batch(tokens))
-            for target in splice.targets:
-                if target.state == "fused" and target.name not in spies:
-                    spies[target.name] = FusedGraphRuns(target)
-            out["errors"][f"{splice.name} T={tokens}"] = compare(fused, eager, None)
-    out["states"] = {t.name: t.state for s in splices for t in s.targets}
-    out["fused_graph_runs"] = {name: spy.count for name, spy in spies.items()}
-    out["launches"] = {t.name: [t.report.launches_before, t.report.launches_after]
-                       for s in splices for t in s.targets if t.report is not None}
+    with captured_log() as log:  # what the plugin logs (with FUSER_EXPLAIN=1, its explain output)
+        splices = sglang_plugin.install(model, sglang_plugin.Options.from_env())
+        g = torch.Generator().manual_seed(13)
+        out = {"targets": {s.name: [t.name for t in s.targets] for s in splices}, "errors": {}, "log": log}
+        spies = {}
+        for tokens in TOKENS:
+            for layer, splice in zip(layers, splices):
+                streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+                with torch.no_grad():
+                    eager = run_layer(functools.partial(type(layer).forward, layer), layer, streams, decode_batch(tokens))
+                    with capture_mode.model_capture_mode():
+                        fused = run_layer(layer, layer, streams, decode_batch(tokens))
+                for target in splice.targets:
+                    if target.state == "fused" and target.name not in spies:
+                        spies[target.name] = FusedGraphRuns(target)
+                out["errors"][f"{splice.name} T={tokens}"] = compare(fused, eager, None)
+        out["states"] = {t.name: t.state for s in splices for t in s.targets}
+        out["fused_graph_runs"] = {name: spy.count for name, spy in spies.items()}
+        out["launches"] = {t.name: [t.report.launches_before, t.report.launches_after]
+                           for s in splices for t in s.targets if t.report is not None}
 
-    runs_before = dict(out["fused_graph_runs"])
-    tokens = 3
-    streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
-    extend = {}
-    with torch.no_grad():
-        for layer, splice in zip(layers, splices):
-            spliced = run_layer(layer, layer, streams, decode_batch(tokens, "EXTEND"))
-            own = run_layer(functools.partial(type(layer).forward, layer), layer, streams, decode_batch(tokens, "EXTEND"))
-            extend[splice.name] = torch.equal(spliced, own)
-    out["extend_same_as_own_code"] = extend
-    out["extend_took_fused_path"] = {name: spy.count != runs_before[name] for name, spy in spies.items()}
+        runs_before = dict(out["fused_graph_runs"])
+        tokens = 3
+        streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+        extend = {}
+        with torch.no_grad():
+            for layer, splice in zip(layers, splices):
+                spliced = run_layer(layer, layer, streams, decode_batch(tokens, "EXTEND"))
+                own = run_layer(functools.partial(type(layer).forward, layer), layer, streams, decode_batch(tokens, "EXTEND"))
+                extend[splice.name] = torch.equal(spliced, own)
+        out["extend_same_as_own_code"] = extend
+        out["extend_took_fused_path"] = {name: spy.count != runs_before[name] for name, spy in spies.items()}
     return out
 
 
@@ -437,4 +462,4 @@ def mhc_through_the_seam(layers, config) -> dict:
 
 
 if __name__ == "__main__":
-    print("FUSER-RESULT " + json.dumps(main(), default=str))
+    print("FUSER-RESULT " + json.dumps(explain() if sys.argv[1:] == ["explain"] else main(), default=str))
