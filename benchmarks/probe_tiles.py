@@ -22,7 +22,7 @@ from examples.zoo import layers as zoo  # noqa: E402
 
 
 def probe(name: str, tokens: tuple[int, ...]) -> list[dict]:
-    from fuser.api import plan
+    from fuser.pipeline import plan
     from fuser.validation import record_values, store_targets
     from fuser.tune import _rows, time_launches_us
 

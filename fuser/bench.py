@@ -299,7 +299,7 @@ def run(
     if fuse:
         plans = fuse(fused_module, fused_args)
     else:
-        plans = {"": fuser.api.apply_plan(fused_module, fused_args, example_kwargs=fused_kwargs)}
+        plans = {"": fuser.pipeline.apply_plan(fused_module, fused_args, example_kwargs=fused_kwargs)}
     mark_leaves(fused_module)
     result.fuser_report = plans[""].report.to_json()
     result.nested_reports = {name: p.report.to_json() for name, p in plans.items() if name}

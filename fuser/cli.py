@@ -294,7 +294,7 @@ def _user_frame_of(error: BaseException) -> str | None:
 
 def run(args) -> int:
     """Run the command; errors as one line on stderr and their exit code."""
-    from fuser.api import FuserError
+    from fuser.pipeline import FuserError
     from fuser.emit import TemplateError
     from fuser.pattern import PatternError
     from fuser.trace import TraceRefused

@@ -16,31 +16,16 @@ used outside it (fan-out) rejects it, since the fused kernel would not produce t
 
 from __future__ import annotations
 
-import functools
-import inspect
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fuser.canon import COMMUTATIVE, INPUT, META, COp, canonicalize
-from fuser.pattern import Param, Pattern, example_tensors, is_param
-from fuser.trace import Traced, trace
-
-EXAMPLE_T = 3
-
-
-@dataclass
-class PatternGraph:
-    """A pattern's reference, traced and canonicalised at one set of sizes and dtypes."""
-
-    traced: Traced
-    cops: dict[fx.Node, COp]
-    inputs: list[fx.Node]
-    outputs: list[fx.Node]
-    param_names: dict[int, str]  # id(Param object) -> parameter name
+from fuser.canon import COMMUTATIVE, INPUT, META, COp
+from fuser.pattern import Pattern, is_param
+from fuser.pattern_graph import PatternGraph, trace_pattern
+from fuser.trace import Traced
 
 
 @dataclass
@@ -183,49 +168,6 @@ def _through_casts(cops, node):
     while isinstance(node, fx.Node) and node in cops and cops[node].op == "cast":
         node = cops[node].args[0]
     return node
-
-
-@functools.lru_cache(maxsize=512)
-def _trace_pattern_cached(pattern_key, pattern: Pattern, sizes_items, dtype_items, structural_items, device):
-    sizes, dtypes, structural = dict(sizes_items), dict(dtype_items), dict(structural_items)
-    fn = pattern.reference
-    if structural:
-        fn = _with_defaults(fn, {k: Param(v, search=pattern.params[k].search) for k, v in structural.items()})
-    batch = {name: 0 for name, spec in pattern.inputs.items() if spec.dims[:1] == ("T",)}
-    traced = trace(fn, example_tensors(pattern, sizes, dtypes, EXAMPLE_T, 0, device), batch_inputs=batch)
-    cops = canonicalize(traced)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder" and n.target in pattern.inputs]
-    out = next(n for n in traced.graph.nodes if n.op == "output").args[0]
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    resolve = _resolver(cops)
-    names = {id(v): k for k, v in pattern.params.items()}
-    return PatternGraph(traced, cops, placeholders, [resolve(o) for o in outs], names)
-
-
-def _with_defaults(fn, overrides: dict):
-    """A copy of ``fn`` whose parameters in ``overrides`` default to the given values."""
-    params = list(inspect.signature(fn).parameters.values())
-    defaults = tuple(overrides.get(p.name, p.default) for p in params if p.default is not inspect.Parameter.empty)
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
-
-
-def trace_pattern(pattern: Pattern, sizes, dtypes, structural=None, device="cpu") -> PatternGraph:
-    return _trace_pattern_cached(
-        (pattern.name, str(pattern.path)), pattern,
-        tuple(sorted(sizes.items())), tuple(sorted(dtypes.items(), key=lambda kv: kv[0])),
-        tuple(sorted((structural or {}).items())), str(device),
-    )  # fmt: skip
-
-
-def _resolver(cops):
-    def resolve(n):
-        while isinstance(n, fx.Node) and cops[n].op == "identity":
-            n = cops[n].args[0]
-        return n
-
-    return resolve
 
 
 def _structural_choices(pattern: Pattern) -> list[dict[str, int]]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fuser.api import FuserError, Plan, plan, tensors_of
+from fuser.pipeline import FuserError, Plan, plan, tensors_of
 from fuser.report import Report
 from fuser.signature import CallSpec, is_state, with_state_copied
 from fuser.leaves import LEAF

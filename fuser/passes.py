@@ -257,10 +257,10 @@ def validate(p: Planning) -> Planning:
 
 def place(p: Planning) -> Planning:
     """Place the surviving kernels again: a dropped one no longer produces its values early."""
-    placer = RegionBuilder(p.traced.graph, p.cops, p.parameters)
-    p.kernels.sort(key=lambda k: placer.order[k.region.position])
+    p.builder.unplace_all()
+    p.kernels.sort(key=lambda k: p.builder.order[k.region.position])
     for kernel in list(p.kernels):
-        if placer.replace(kernel.region) is None:
+        if p.builder.replace(kernel.region) is None:
             p.kernels.remove(kernel)
             p.failed.update({n: "no valid place to run it once other kernels were dropped" for n in kernel.region.nodes})
     return p

@@ -206,7 +206,7 @@ def load_pattern(path: str | os.PathLike, templates: set[str] | None = None, rep
 def _check_reference(pattern: Pattern) -> None:
     """Run the reference at its example sizes, as matching will: a mistake in its body (a
     misspelt name, a size the code cannot take) is reported here, at its line in the file."""
-    from fuser.match import trace_pattern  # fuser.match imports this module
+    from fuser.pattern_graph import trace_pattern  # it traces Pattern objects: it imports this module
 
     try:
         graph = trace_pattern(pattern, pattern.example, {}, None)

@@ -113,7 +113,7 @@ def _claimed(pattern: str) -> bool:
 
 def profile(module: torch.nn.Module, example_inputs, **options) -> Profile:
     """The module's glue chains, costliest first, each with what fuser does to it."""
-    from fuser.api import plan, tensors_of
+    from fuser.pipeline import plan, tensors_of
 
     with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         p = plan(module, example_inputs, **options)

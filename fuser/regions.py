@@ -202,6 +202,11 @@ class RegionBuilder:
             if self.read_at.get(node) == at:
                 del self.read_at[node]
 
+    def unplace_all(self) -> None:
+        """Forget where every region runs, before the surviving ones are placed again."""
+        self.made_at.clear()
+        self.read_at.clear()
+
     def replace(self, region: "Region") -> "Region | None":
         """Place an already built region again (after others were dropped); None if it cannot be."""
         position, _, _ = self.placement(region.covered, region.inputs, region.outputs)

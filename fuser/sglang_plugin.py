@@ -2,8 +2,9 @@
 
     FUSER_ENABLE=1 python -m sglang.launch_server --model-path ...
 
-This is the sglang adapter of :mod:`fuser.serving` (which holds the engine-neutral parts:
-the mode splice, lazy fusion at the first eligible call, the capture checks, the options).
+This is the sglang adapter of :mod:`fuser.serving` and the ``fuser.serving_*`` modules (which
+hold the engine-neutral parts: the mode splice, lazy fusion at the first eligible call, target
+selection, the capture checks, the options).
 What is sglang's here: its hooks, its class names, ``forward_batch`` and
 ``model._derived_weight_cache_error``.
 
@@ -61,18 +62,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fuser import serving
-from fuser.serving import (
-    SPLICE_ATTR,
-    EngineFacts,
-    LazyFusion,
-    ModeSplice,
-    decisions_text,
-    fusion_targets,
-    leaf_paths,
-    target_decisions,
-    uninstall,
-)
+from fuser import serving, serving_options
+from fuser.serving import SPLICE_ATTR, LazyFusion, ModeSplice, uninstall
+from fuser.serving_targets import EngineFacts, decisions_text, fusion_targets, leaf_paths, target_decisions
 
 log = logging.getLogger("fuser")
 
@@ -101,7 +93,7 @@ GLOBAL_READS = (
 
 
 @dataclass(frozen=True)
-class Options(serving.Options):
+class Options(serving_options.Options):
     layers: tuple[str, ...] = DEFAULT_LAYERS
 
 
@@ -191,7 +183,7 @@ def is_leaf(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> bool:
     reference (:func:`runs_torch_reference`: ``SGLANG_FORCE_FUSED_OP_BACKEND=torch``) is glue,
     unless it takes ``forward_batch`` (the DSv4 compressor writes the KV cache)."""
     from fuser.opaque import is_opaque
-    from fuser.trace import DEFAULT_LEAF_TYPES
+    from fuser.shadow_tracer import DEFAULT_LEAF_TYPES
 
     kernels = tuple(c for c in leaf_types() if not _is_fused_op_base(c))  # GEMMs, experts, attention
     if is_opaque(type(module)) or isinstance(module, DEFAULT_LEAF_TYPES + kernels + extra):

@@ -10,8 +10,8 @@ warm-ups, on the capture stream, and the compiled code is captured (SGLANG.md §
 :func:`register` replaces it through sglang's ``HookRegistry`` (a REPLACE hook, which also
 rebinds every ``from ... import compile_in_capture_mode`` copy already loaded; modules loaded
 later import the replacement) with :func:`compile_in_capture_mode` below: while capture mode
-is on, the closure goes to a :class:`fuser.serving.ClosureSeam`, which fuses it at its first
-call on a stream that is not capturing (sglang's warm-ups) and runs the fused forward at
+is on, the closure goes to a :class:`fuser.serving_closures.ClosureSeam`, which fuses it at its
+first call on a stream that is not capturing (sglang's warm-ups) and runs the fused forward at
 every later call, inside the capture too. ``torch.compile`` is never called.
 ``FUSER_COMPILE_SEAM=0`` leaves sglang's decorator as it is.
 """
@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-from fuser.serving import ClosureSeam, Options
+from fuser.serving_closures import ClosureSeam
+from fuser.serving_options import Options
 
 log = logging.getLogger("fuser")
 

@@ -88,7 +88,7 @@ def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log:
 
 def tune(module: torch.nn.Module, args: tuple, kwargs: dict, tokens: tuple[int, ...], log: Callable = print) -> list[dict]:
     """Fuse ``module`` on its example call (made at ``max(tokens)`` tokens) and tune its kernels."""
-    from fuser.api import plan
+    from fuser.pipeline import plan
 
     fused = plan(module, args, example_kwargs=kwargs)
     return tune_plans({"": fused}, tokens, module, log)

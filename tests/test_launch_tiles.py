@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 from helpers import assert_close, gen, randn
 
-import fuser.api
+import fuser.pipeline
 import fuser.validation
 from fuser.emit import kernel_source
 from fuser.lower import _launch_widths
@@ -72,7 +72,7 @@ CASES = {
 
 def the_kernel(module, inputs, validate=True):
     """The one kernel of ``module``'s plan at ``inputs``."""
-    plan = fuser.api.plan(module, inputs, validate=validate)
+    plan = fuser.pipeline.plan(module, inputs, validate=validate)
     (kernel,) = plan.kernels
     return kernel, plan
 

@@ -703,9 +703,9 @@ class AddThenNorm(nn.Module):
 
 
 def the_plan(module, inputs):
-    import fuser.api
+    import fuser.pipeline
 
-    plan = fuser.api.plan(module, inputs, validate=False)
+    plan = fuser.pipeline.plan(module, inputs, validate=False)
     (kernel,) = plan.kernels
     return plan, kernel
 

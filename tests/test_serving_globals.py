@@ -1,7 +1,7 @@
 """Engine-wide flags that traced code calls (sglang's ``get_is_capture_mode()``) are read as
-guarded values (:class:`fuser.serving.GlobalReads`): the trace takes the branch the flag gave,
-and a call where the flag returns something else runs the module's own code, not the fused
-graph baked with the old value. A flag the trace never read guards nothing."""
+guarded values (:class:`fuser.serving_globals.GlobalReads`): the trace takes the branch the flag
+gave, and a call where the flag returns something else runs the module's own code, not the
+fused graph baked with the old value. A flag the trace never read guards nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from fuser import serving
+from fuser.serving_options import Options
+from fuser.serving_targets import EngineFacts
 from fuser.splice import STATE_ATTR
 from serving_helpers import FusedGraphRuns, decode_mode
 
@@ -45,9 +47,9 @@ class ReadsATensor(nn.Module):
         return (x * scale_tensor()).sigmoid() + 1
 
 
-def facts(*paths: str) -> serving.EngineFacts:
-    return serving.EngineFacts(is_leaf=lambda m: False, searched=lambda m: False,
-                               global_reads=tuple(f"{__name__}.{p}" for p in paths))
+def facts(*paths: str) -> EngineFacts:
+    return EngineFacts(is_leaf=lambda m: False, searched=lambda m: False,
+                       global_reads=tuple(f"{__name__}.{p}" for p in paths))
 
 
 def decode_call(module, x):
@@ -64,7 +66,7 @@ def flags_off():
 
 def test_a_flag_read_by_the_trace_is_guarded_and_a_call_where_it_differs_runs_the_original_code():
     block = Block()
-    target = serving.LazyFusion("block", block, serving.Options(), facts("capture_mode", "unread_flag"))
+    target = serving.LazyFusion("block", block, Options(), facts("capture_mode", "unread_flag"))
     x = torch.randn(5, 32)
     with torch.no_grad():
         first = decode_call(block, x)
@@ -86,7 +88,7 @@ def test_a_flag_read_by_the_trace_is_guarded_and_a_call_where_it_differs_runs_th
 def test_the_flag_functions_are_their_own_again_after_the_fusion():
     original = capture_mode
     block = Block()
-    serving.LazyFusion("block", block, serving.Options(), facts("capture_mode"))
+    serving.LazyFusion("block", block, Options(), facts("capture_mode"))
     with torch.no_grad():
         decode_call(block, torch.randn(3, 32))
     assert globals()["capture_mode"] is original
@@ -94,7 +96,7 @@ def test_the_flag_functions_are_their_own_again_after_the_fusion():
 
 def test_a_flag_returning_a_tensor_cannot_be_guarded_and_the_module_stays_eager(caplog):
     module = ReadsATensor()
-    target = serving.LazyFusion("reads", module, serving.Options(), facts("scale_tensor"))
+    target = serving.LazyFusion("reads", module, Options(), facts("scale_tensor"))
     x = torch.randn(3, 32)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fuser"):
         out = decode_call(module, x)
@@ -107,7 +109,7 @@ def test_a_flag_returning_a_tensor_cannot_be_guarded_and_the_module_stays_eager(
 
 def test_a_flag_outside_the_mode_is_not_consulted():
     block = Block()
-    target = serving.LazyFusion("block", block, serving.Options(), facts("capture_mode"))
+    target = serving.LazyFusion("block", block, Options(), facts("capture_mode"))
     x = torch.randn(4, 32)
     with torch.no_grad():
         decode_call(block, x)

@@ -39,7 +39,7 @@ def _tiny_tp_rank(rank, world):
     # The kv path is replicated, not sharded: the same keys land in the same slots.
     assert torch.equal(layer.self_attn.attn.keys(), full.self_attn.attn.keys()), f"rank {rank}: kv cache"
 
-    plan = fuser.api.apply_plan(layer, inputs)
+    plan = fuser.pipeline.apply_plan(layer, inputs)
     reductions = [n for n in plan.graph.nodes if n.op == "call_function" and n.target is tp.all_reduce]
     assert len(reductions) == 2, f"rank {rank}: expected all_reduce as 2 leaf calls, got\n{plan.graph}"
     assert plan.report.launches_after * 5 <= plan.report.launches_before, plan.report.text()

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fuser
-from fuser.api import Plan, apply_plan
+from fuser.pipeline import Plan, apply_plan
 from fuser.trace import preserved_state
 
 

@@ -67,7 +67,7 @@ def main() -> dict:
     from sglang.srt.models import deepseek_v4
 
     from fuser import sglang_plugin, sglang_seam
-    from fuser.serving import leaf_paths
+    from fuser.serving_targets import leaf_paths
 
     compiled = fail_on_torch_compile()
     config, layers = build_dsv4_layers(deepseek_v4.DeepseekV4CudaDecoderLayer)
