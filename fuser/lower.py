@@ -349,8 +349,8 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             self.block_last = block_last or self.tile_width(others)
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
         self._operands = ins
-        for operand, node in zip(ins, self.inputs):
-            self.load(operand, node)
+        for source, node in zip(ins, self.inputs):
+            self.load(source, node)
         unstored = list(zip(outs, self.outputs))
         for node in self.nodes:
             if node in self.regathered:
@@ -361,8 +361,8 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
                 e.node = e.node or node
                 raise
             unstored = self._store_fresh(node, unstored)
-        for operand, node in unstored:
-            self.store(operand, node)
+        for target, node in unstored:
+            self.store(target, node)
         masks = [f"{name} = {expr}" for expr, name in self.masks.items()]
         self.lines = tidy(masks + self.lines)
         names = {self.cops[n].op for n in self.nodes}
@@ -381,10 +381,10 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         stored last, after every read of that buffer."""
         if node in self.in_place or node not in self.names:
             return unstored
-        for operand, output in unstored:
+        for target, output in unstored:
             if output is node:
-                self.store(operand, node)
-        return [(operand, output) for operand, output in unstored if output is not node]
+                self.store(target, node)
+        return [(target, output) for target, output in unstored if output is not node]
 
     def tile_width(self, others: int) -> int:
         """Elements of the tiled axis a program takes, when each of them comes with ``others``

@@ -27,8 +27,9 @@ import torch.nn as nn
 from fuser.pipeline import FuserError, Plan, plan, tensors_of
 from fuser.report import Report
 from fuser.signature import CallSpec, is_state, with_state_copied
-from fuser.leaves import LEAF
-from fuser.splice import STATE_ATTR, compile_forward, install, is_fused, read_attributes
+from fuser.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
+from fuser.rewrite import compile_forward
+from fuser.splice import STATE_ATTR, install, is_fused, read_attributes
 from fuser.splice import restore as restore_module
 from fuser.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
 from fuser.trace import preserved_state, trace
@@ -128,7 +129,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
     report = ModelReport(type(model).__name__)
     fused: list[nn.Module] = []
     try:
-        for group in _groups(layers):
+        for group in groups_of(layers):
             report.groups += _fuse_group(group, calls, options, fused)
         for name, module in others:
             _fuse_other(name, module, calls.get(id(module)), options, report, fused)
@@ -215,28 +216,6 @@ def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.
 
 
 # --- grouping and fusing ------------------------------------------------------------------------
-def structure(layer: nn.Module) -> tuple:
-    """What two layers must share to run one fused forward: class, parameter and buffer names,
-    shapes and dtypes, and every flag, name or None attribute of the layer and its submodules
-    (``is_sliding``, ``layer_type``: the trace takes their branches). Integer and float
-    attributes are compared where the fused graph holds them (its literals)."""
-    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in (*layer.named_parameters(), *layer.named_buffers()))
-    flags = tuple(
-        (name, key, value)
-        for name, sub in layer.named_modules()
-        for key, value in sorted(vars(sub).items())
-        if not key.startswith("_") and (value is None or isinstance(value, (bool, str)))
-    )
-    return type(layer), tensors, flags
-
-
-def _groups(layers: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
-    groups: dict[tuple, list] = {}
-    for name, layer in layers:
-        groups.setdefault(structure(layer), []).append((name, layer))
-    return list(groups.values())
-
-
 def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
     """Fuse one structure's layers with one plan; layers whose literals or outputs differ get
     a plan of their own. Returns the groups as fused (or left eager)."""
@@ -311,15 +290,15 @@ def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fu
                        batch_inputs=_batch_inputs(layer, args, kwargs))  # fmt: skip
     except Exception:  # noqa: BLE001 - it does not trace alike
         return False
-    if _graph_key(traced.graph) == _graph_key(p.traced.graph):
+    if graph_key(traced.graph) == graph_key(p.traced.graph):
         return True
-    read = _attributes_read_by_leaves(p, first, layer, traced.graph)
+    read = attributes_read_by_leaves(p, first, layer, traced.graph)
     if read is None:
         return False
     new = [r for r in read if r not in p.read_at_run_time]
     if new:
         for node_name, position, attribute in new:
-            _read_at_run_time(p.graph, node_name, position, attribute)
+            read_argument_at_run_time(p.graph, node_name, position, attribute)
         p.read_at_run_time += new
         p.forward = compile_forward(p.graph, first)
         if first in fused:  # (not when its own check left it eager)
@@ -327,59 +306,6 @@ def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fu
             fused.remove(first)
             _install(first, p, p.constants, p.precomputed, fused)
     return True
-
-
-def _attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, graph) -> list | None:
-    """Where ``graph`` (``layer``'s trace) differs from ``p``'s only in int arguments of leaf
-    calls, each the value of one attribute the plan holds as a literal in both layers: those
-    (node name, argument position, attribute path); None when they differ in anything else."""
-    mine, theirs = list(p.traced.graph.nodes), list(graph.nodes)
-    if len(mine) != len(theirs):
-        return None
-    paths = tuple(p.literals)
-    at_first, at_layer = dict(zip(paths, read_attributes(first, paths))), dict(zip(paths, read_attributes(layer, paths)))
-    index_a, index_b = {n: i for i, n in enumerate(mine)}, {n: i for i, n in enumerate(theirs)}
-    read = []
-    for a, b in zip(mine, theirs):
-        key_a, key_b = _node_key(a, index_a), _node_key(b, index_b)
-        if key_a == key_b:
-            continue
-        same_call = (a.op, str(a.target), len(a.args), _keyed(a.kwargs, index_a)) == (b.op, str(b.target), len(b.args), _keyed(b.kwargs, index_b))
-        if not a.meta.get(LEAF) or not same_call:
-            return None
-        for position, (x, y) in enumerate(zip(a.args, b.args)):
-            if _keyed(x, index_a) == _keyed(y, index_b):
-                continue
-            if type(x) is not int or type(y) is not int:
-                return None
-            names = [n for n in paths if at_first[n] == x and at_layer[n] == y]
-            if len(names) != 1:
-                return None
-            read.append((a.name, position, names[0]))
-    return read
-
-
-def _node_key(node, index) -> tuple:
-    return node.op, str(node.target), _keyed(node.args, index), _keyed(node.kwargs, index)
-
-
-def _keyed(value, index) -> str:
-    """``value`` (a node's arguments, or one of them) with each node as its place in the graph."""
-    return repr(torch.fx.node.map_aggregate(value, lambda a: ("node", index[a]) if isinstance(a, torch.fx.Node) else a))
-
-
-def _read_at_run_time(graph, node_name: str, position: int, attribute: str) -> None:
-    """Make argument ``position`` of the node named ``node_name`` a read of ``self.<attribute>``."""
-    node = next(n for n in graph.nodes if n.name == node_name)
-    with graph.inserting_before(node):
-        read = graph.get_attr(attribute)
-    node.update_arg(position, read)
-
-
-def _graph_key(graph) -> list:
-    """The graph's ops in order, with their literal arguments and which nodes they read."""
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return [_node_key(n, index) for n in graph.nodes]
 
 
 def _disagrees(layer: nn.Module, call, p: Plan) -> tuple[str | None, list[int]]:

@@ -22,9 +22,8 @@ from fuser.passes import Kernel, planning, run_passes
 from fuser.pattern import load_patterns
 from fuser.regions import fusible
 from fuser.report import FusedChain, Report, Unfused
-from fuser.splice import (
-    AlreadyFused, Guard, Precomputed, compile_forward, install, is_fused, module_lock, precomputation, rewrite_graph,
-)
+from fuser.rewrite import compile_forward, rewrite_graph
+from fuser.splice import AlreadyFused, Guard, Precomputed, install, is_fused, module_lock, precomputation
 from fuser.signature import CallSpec
 from fuser.trace import Traced, batch_dims_of, preserved_state, trace
 
