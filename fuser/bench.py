@@ -65,6 +65,9 @@ class Bandwidth:
 
 @dataclass
 class BenchResult:
+    """One benchmark run: each variant's rows (time, launches) at each token count, the copy
+    bandwidth and fused kernels' bandwidth, and fuser's reports, with the machine stamp."""
+
     target: str
     stamp: dict
     copy_gbps: float

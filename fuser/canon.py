@@ -37,7 +37,7 @@ from fuser.canon_ops import OpCanonicals
 from fuser.canon_views import ViewCanonicals
 from fuser.cop import (  # noqa: F401 (the kinds and COp are read from here across fuser)
     COMPUTE, CONSTANTS, GLUE_KINDS, HEAVY, INPUT, KERNEL_DTYPES, META, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, COp,
-    op_name, tensor_args,
+    op_name, tensor_args, through_identities,
 )
 from fuser.leaves import LEAF
 from fuser.opaque import is_opaque
@@ -106,9 +106,7 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
 
     def resolve(self, arg):
         """Look through transparent nodes (no-op casts, contiguous(), detach())."""
-        while isinstance(arg, fx.Node) and arg in self.cops and self.cops[arg].op == "identity":
-            arg = self.cops[arg].args[0]
-        return arg
+        return through_identities(self.cops, arg)
 
     def static_shape(self, node) -> tuple[int, ...]:
         """The node's shape with batch dims written as -1."""

@@ -53,6 +53,14 @@ class COp:
         return dict(self.attrs).get(name, default)
 
 
+def through_identities(cops: dict, node):
+    """``node`` with no-op nodes looked through (a cast to its own dtype, ``contiguous()``,
+    ``detach()``: op ``identity``); anything that is not such a node as it is."""
+    while isinstance(node, fx.Node) and node in cops and cops[node].op == "identity":
+        node = cops[node].args[0]
+    return node
+
+
 def op_name(node: fx.Node) -> str:
     """A readable name for an fx node's target: 'mul', 'rsqrt', 'mlp.experts', ..."""
     if node.op == "call_method":

@@ -4,8 +4,6 @@ the gathered rows, as at its own."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 
@@ -14,10 +12,6 @@ from fuser.canon import UNIT_VIEW, COp
 from fuser.lower_code import EXPRESSIONS, INDEX_DTYPES, LoweringError, expanded, rounded
 from fuser.program import Operand
 from fuser.tiling import inserted_axes, pow2
-
-if TYPE_CHECKING:
-    from fuser.lower import Lowerer
-
 
 class RowGathers:
     """Methods of the row-program lowerer (:class:`fuser.lower.Lowerer`) for gathered rows."""
@@ -123,7 +117,7 @@ class _AtRows:
     loaded at those rows, each op applied as at the table's own rows. A value's block is the
     rows' axis followed by its own block."""
 
-    def __init__(self, lowerer: Lowerer, rows: str, k: int, operands: dict):
+    def __init__(self, lowerer: RowGathers, rows: str, k: int, operands: dict):
         self.lowerer, self.rows, self.k, self.operands = lowerer, rows, k, operands
         # (perm, positions) when the rows are inverse_permutation(perm) at those positions
         self.inverts: tuple[fx.Node, str] | None = None

@@ -52,6 +52,10 @@ class LayerGroup:
 
 @dataclass
 class ModelReport:
+    """What fusing a model layer by layer did: one :class:`LayerGroup` per layer structure
+    (its layers, its report or why it stayed eager), and the model's other submodules fused on
+    their own; launch counts are totals over the model."""
+
     model: str
     groups: list[LayerGroup] = field(default_factory=list)
     others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report

@@ -24,13 +24,14 @@ pass makes a region; a region the next pass changes is lowered again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from fuser.canon import REDUCING
 from fuser.emit import KernelSpec, emit
+from fuser.kernel import Kernel
 from fuser.lower import LoweringError, lower_region
 from fuser.program import operand
 from fuser.match import Rejection, match_all
@@ -40,18 +41,6 @@ from fuser.regions import Region, RegionBuilder, fusible
 from fuser.report import Rejected
 from fuser.trace import Traced
 from fuser.validation import record_values, validate as validate_kernel
-
-
-@dataclass
-class Kernel:
-    """A fused kernel: the region it computes, its file, its launcher, its spec, and the
-    kernels it replaced (so that a merged one that fails validation can fall back to them)."""
-
-    region: Region
-    path: Any
-    launch: Callable
-    spec: KernelSpec | None = None
-    parts: list["Kernel"] = field(default_factory=list)  # the kernels it replaced (merged, or stored in place)
 
 
 @dataclass

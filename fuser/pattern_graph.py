@@ -1,6 +1,6 @@
 """pattern_graph: a pattern's reference function traced and canonicalised at given sizes and
 dtypes (cached), the graph :mod:`fuser.match` compares with a model's and
-:func:`fuser.pattern.load_pattern` runs to check a pattern file."""
+:func:`fuser.pattern_files.load_pattern` runs to check a pattern file."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fuser.canon import COp, canonicalize
+from fuser.cop import through_identities
 from fuser.pattern import Param, Pattern, example_tensors
 from fuser.trace import Traced, trace
 
@@ -41,9 +42,8 @@ def _trace_pattern_cached(pattern_key, pattern: Pattern, sizes_items, dtype_item
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder" and n.target in pattern.inputs]
     out = next(n for n in traced.graph.nodes if n.op == "output").args[0]
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    resolve = _resolver(cops)
     names = {id(v): k for k, v in pattern.params.items()}
-    return PatternGraph(traced, cops, placeholders, [resolve(o) for o in outs], names)
+    return PatternGraph(traced, cops, placeholders, [through_identities(cops, o) for o in outs], names)
 
 
 def _with_defaults(fn, overrides: dict):
@@ -61,12 +61,3 @@ def trace_pattern(pattern: Pattern, sizes, dtypes, structural=None, device="cpu"
         tuple(sorted(sizes.items())), tuple(sorted(dtypes.items(), key=lambda kv: kv[0])),
         tuple(sorted((structural or {}).items())), str(device),
     )  # fmt: skip
-
-
-def _resolver(cops):
-    def resolve(n):
-        while isinstance(n, fx.Node) and cops[n].op == "identity":
-            n = cops[n].args[0]
-        return n
-
-    return resolve

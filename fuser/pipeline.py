@@ -18,8 +18,9 @@ import torch.fx as fx
 from fuser.canon import COMPUTE, INPUT, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
 from fuser.copies import copy_kernels, install_copies, report_copies
 from fuser.emit import template_names
-from fuser.passes import Kernel, planning, run_passes
-from fuser.pattern import load_patterns
+from fuser.kernel import Kernel
+from fuser.passes import planning, run_passes
+from fuser.pattern_files import load_patterns
 from fuser.regions import fusible
 from fuser.report import FusedChain, Report, Unfused
 from fuser.rewrite import compile_forward, rewrite_graph

@@ -72,6 +72,18 @@ def fusible(cop: COp) -> bool:
 
 
 class RegionBuilder:
+    """Builds the regions of one traced graph and owns where each of them runs.
+
+    It makes a region from a pattern match (:meth:`from_match`) or from the glue no pattern
+    took (:meth:`generic`, :meth:`regroup`); :meth:`placement` finds the one point of the
+    program where a set of nodes can run as a kernel (module docstring). It is the only owner
+    of placement state: the position each committed region's outputs are made at
+    (``made_at``) and where each node it replaces is read (``read_at``), changed only by
+    :meth:`commit`, :meth:`uncommit` and :meth:`unplace_all`, so a later region is placed
+    around the kernels already committed. :mod:`fuser.growth` grows regions with its helpers
+    (:meth:`boundary`, :meth:`peel`, :meth:`drop_view_outputs`).
+    """
+
     def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp], parameters: frozenset = frozenset()):
         self.graph, self.cops = graph, cops
         self.parameters = parameters  # get_attr nodes of parameters: weights no leaf writes

@@ -38,6 +38,10 @@ class Unfused:
 
 @dataclass
 class Report:
+    """What fusing one module did, as ``fuser explain`` prints it (:meth:`text`): the chains
+    fused, the candidates rejected and why, the glue left eager and why, the leaves kept
+    opaque, and the glue launches before and after."""
+
     module: str
     chains: list[FusedChain] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)

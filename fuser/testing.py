@@ -31,7 +31,8 @@ import torch
 
 import fuser
 from fuser.emit import template_names
-from fuser.pattern import Pattern, PatternError, example_tensors, load_pattern
+from fuser.pattern import Pattern, PatternError, example_tensors
+from fuser.pattern_files import load_pattern
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import least_precise, mismatch
 

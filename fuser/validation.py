@@ -13,18 +13,16 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from fuser.canon import COMPUTE, HEAVY, MUTATION, UNIT_VIEW
+from fuser.kernel import Kernel
 from fuser.regions import Region
 from fuser.tolerance import least_precise, mismatch, near_tie_rows, rows_besides_ties
 from fuser.trace import Traced, preserved_state
 
-if TYPE_CHECKING:
-    from fuser.passes import Kernel
 
 
 class Recorded(dict):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fuser.passes
-from fuser.pattern import load_pattern, patterns_dir
+from fuser.pattern import patterns_dir
+from fuser.pattern_files import load_pattern
 from fuser.splice import STATE_ATTR
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import torch
 
 import fuser
 from examples.authoring.quick_gelu import block
-from fuser.pattern import load_pattern
+from fuser.pattern_files import load_pattern
 from fuser.tolerance import KERNEL, mismatch
 
 ROOT = Path(__file__).resolve().parent.parent

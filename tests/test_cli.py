@@ -275,7 +275,7 @@ def test_suggest_drafts_the_unfused_op_next_to_a_pattern(small):
 
 def test_suggest_drafts_public_apis_and_symbolic_shapes(small, tmp_path):
     from fuser.emit import template_names
-    from fuser.pattern import load_pattern
+    from fuser.pattern_files import load_pattern
 
     out = tmp_path / "gelu_chain.py"
     result = fuser_cli("suggest", f"{small}:gated", "-o", str(out))

@@ -33,8 +33,8 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
 def test_wheel_ships_patterns_and_templates(installed, tmp_path):
     _, target = installed
     probe = (
-        "import fuser, fuser.emit, fuser.pattern as p;"
-        "print(p.patterns_dir()); print(sorted(x.name for x in p.load_patterns()));"
+        "import fuser, fuser.emit, fuser.pattern as p, fuser.pattern_files as files;"
+        "print(p.patterns_dir()); print(sorted(x.name for x in files.load_patterns()));"
         "print(sorted(fuser.emit.template_names()))"
     )
     env = dict(os.environ, PYTHONPATH=str(target))

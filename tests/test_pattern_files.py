@@ -12,7 +12,7 @@ import fuser.emit
 import fuser.pattern
 import helpers
 from fuser.program import Operand
-from fuser.pattern import load_pattern, load_patterns
+from fuser.pattern_files import load_pattern, load_patterns
 
 GOOD = '''\
 """A fine pattern."""

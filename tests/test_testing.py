@@ -8,7 +8,8 @@ import torch
 import fuser.api
 import fuser.lower_code
 import fuser.passes
-from fuser.pattern import load_pattern, patterns_dir
+from fuser.pattern import patterns_dir
+from fuser.pattern_files import load_pattern
 from fuser.testing import golden_tests, pattern_cases, run_pattern_file
 from helpers import ROOT
 
