@@ -18,6 +18,7 @@ import torch.fx as fx
 from fuser.canon import COMPUTE, INPUT, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
 from fuser.copies import copy_kernels, install_copies, report_copies
 from fuser.emit import template_names
+from fuser.kv_cache import write_in_one_kernel
 from fuser.kernel import Kernel
 from fuser.passes import planning, run_passes
 from fuser.pattern_files import load_patterns
@@ -83,6 +84,7 @@ def plan(
         traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)}, {n: a for n, (a, _) in constants.items()}
     )
     install_copies(graph, copies)
+    cache_writes = write_in_one_kernel(graph, traced)
     forward = compile_forward(graph, module)
     report = _report(module, traced, cops, kernels, rejected, failed, survivors)
     report_copies(report, copies)
@@ -90,6 +92,9 @@ def plan(
     report.literals = captured_literals(module, traced)
     report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
+    for leaf in report.automatic_leaves:
+        if leaf["name"] in cache_writes:
+            leaf["reason"] += "; a plain layer of transformers' StaticCache is written by one kernel (fuser.kv_cache)"
     p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None

@@ -1,6 +1,6 @@
 """Decode steps with a KV cache on whole transformers CausalLMs (tiny random configs): the
-cache is state the fused layers pass through to its update, an automatic leaf; the q/k norms
-and RoPE around it stay fused. Greedy decode, fused against eager, from the same cache."""
+cache is state the fused layers pass through to its update, an automatic leaf (a plain static
+layer is written by fuser.kv_cache's kernel); the q/k norms and RoPE around it stay fused. Greedy decode, fused against eager, from the same cache."""
 
 import copy
 
@@ -9,6 +9,7 @@ import torch
 from transformers import StaticCache
 
 import fuser
+from fuser import kv_cache
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import LAYER, mismatch
 from tests.test_model import causal_lm
@@ -40,7 +41,7 @@ def greedy(model, cache, tokens) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4"])
-def test_greedy_decode_with_a_static_cache_matches_eager(name):
+def test_greedy_decode_with_a_static_cache_matches_eager(name, monkeypatch):
     model = causal_lm(name, layers=2)
     cache, tokens = prefilled(model)
     eager_cache, fused_cache, example = (copy.deepcopy(cache) for _ in range(3))
@@ -57,7 +58,15 @@ def test_greedy_decode_with_a_static_cache_matches_eager(name):
     assert torch.equal(example.layers[0].cumulative_length, cache.layers[0].cumulative_length), "apply wrote the example's cache"
     assert torch.equal(example.layers[0].keys, cache.layers[0].keys)
 
+    # A plain StaticLayer (Qwen3's) is written by fuser.kv_cache's kernel, in every layer and
+    # step; DeepSeek-V4's sliding-window layers by transformers' own update.
+    static = all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)
+    assert ("fuser.kv_cache" in leaves[0]["reason"]) == static, leaves
+    kernel_writes = []
+    found = kv_cache._static_layer
+    monkeypatch.setattr(kv_cache, "_static_layer", lambda *a: kernel_writes.append(found(*a)) or kernel_writes[-1])
     fused = greedy(model, fused_cache, tokens)
+    assert len([w for w in kernel_writes if w is not None]) == (2 * STEPS if static else 0)
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
