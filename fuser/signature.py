@@ -41,6 +41,7 @@ class _Argument:
     constants: tuple  # (leaf index, value, what the message calls it) for each non-tensor leaf
     tensor_leaves: tuple  # leaf indices holding tensors or state, in placeholder order
     states: tuple = ()  # (leaf index, type) of each state leaf
+    passed: str = "keyword"  # how the example passed it: "positional", "keyword", or "default" (not at all)
 
 
 class CallSpec:
@@ -58,6 +59,8 @@ class CallSpec:
     @classmethod
     def of(cls, forward: Callable, args: tuple = (), kwargs: dict | None = None) -> "CallSpec":
         signature = inspect.signature(forward)
+        given = signature.bind(*args, **(kwargs or {})).arguments
+        positional = _positional_names(signature, len(args))
         bound = _bind(signature, args, kwargs or {})
         arguments, names, taken, state_names = [], [], set(), []
         for name, value in bound.arguments.items():
@@ -73,7 +76,8 @@ class CallSpec:
                         state_names.append(names[-1])
                 else:
                     constants.append((i, leaf, _label(name, kind, path)))
-            arguments.append(_Argument(name, kind, spec, tuple(constants), tuple(tensors), tuple(states)))
+            passed = "positional" if name in positional else "keyword" if name in given else "default"
+            arguments.append(_Argument(name, kind, spec, tuple(constants), tuple(tensors), tuple(states), passed))
         return cls(signature, arguments, names, state_names)
 
     def tensor_names_by_parameter(self) -> dict[str, list[str]]:
@@ -112,7 +116,10 @@ class CallSpec:
         return tensors, None
 
     def rebuild(self, tensors) -> tuple[tuple, dict]:
-        """The call (args, kwargs) with the given values in place of the example's tensors."""
+        """The call (args, kwargs) with the given values in place of the example's tensors, each
+        argument passed as the example passed it (by position, by keyword, or left to its
+        default): a forward wrapped by a decorator that adds keyword arguments of its own
+        (transformers' output-capturing wrappers set ``use_cache``) gets the call it expects."""
         tensors = iter(tensors)
         args, kwargs = [], {}
         for argument in self.arguments:
@@ -126,10 +133,10 @@ class CallSpec:
                 args.extend(value)
             elif argument.kind == inspect.Parameter.VAR_KEYWORD:
                 kwargs.update(value)
-            elif argument.kind == inspect.Parameter.KEYWORD_ONLY:
-                kwargs[argument.name] = value
-            else:
+            elif argument.passed == "positional":
                 args.append(value)
+            elif argument.passed == "keyword" or argument.tensor_leaves:  # a default holding a tensor is passed on
+                kwargs[argument.name] = value
         return tuple(args), kwargs
 
 
@@ -275,6 +282,20 @@ def _tensors_within(value: Any, path: str, depth: int, width: int | None = None)
         items = ((f"{path}.{k}", v) for k, v in list(getattr(value, "__dict__", {}).items()))
     for item_path, item in itertools.islice(items, width):
         yield from _tensors_within(item, item_path, depth - 1, width)
+
+
+def _positional_names(signature: inspect.Signature, count: int) -> set[str]:
+    """The parameters the first ``count`` positional arguments of a call bind to."""
+    names = set()
+    for parameter in signature.parameters.values():
+        if len(names) == count:
+            break
+        if parameter.kind == inspect.Parameter.VAR_POSITIONAL:
+            names.add(parameter.name)
+            break
+        if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.add(parameter.name)
+    return names
 
 
 def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:

@@ -338,3 +338,58 @@ def test_a_rotary_table_shared_by_every_sequence_broadcasts_over_the_rows(dtype,
     result = fuser.check(InterleavedRope(), (q, cos, sin), batch_inputs={"q": 0})
     assert result.ok, result.problems
     assert result.report.launches_after == 1 and not result.report.unfused, result.report.text()
+
+
+def sets_a_keyword(forward):
+    """A decorator like transformers' output-capturing wrappers: it sets a keyword argument of
+    the forward (``use_cache``) itself and passes the rest on as it got them."""
+
+    def wrapper(self, *args, **kwargs):
+        kwargs["scale"] = kwargs.get("scale") or 2.0
+        return forward(self, *args, **kwargs)
+
+    wrapper.__wrapped__ = forward  # inspect.signature reads the forward's own parameters
+    return wrapper
+
+
+class Wrapped(nn.Module):
+    def __init__(self, n=32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+
+    @sets_a_keyword
+    def forward(self, hidden_states, attention_mask=None, scale=None):
+        return rms(hidden_states, self.weight) * scale
+
+
+@pytest.mark.parametrize("call", ["keywords", "positional"])
+def test_each_argument_is_passed_as_the_example_passed_it(call):
+    """The traced and the guarded call pass each argument as the example did (by position, by
+    keyword, or not at all): a wrapper that sets a keyword itself gets no second value for it."""
+    module, x = Wrapped(), torch.randn(5, 32)
+    args, kwargs = ((), dict(hidden_states=x)) if call == "keywords" else ((x,), {})
+    expected = module(*args, **kwargs)
+    report = fuser.apply(module, args, example_kwargs=kwargs)
+    try:
+        assert report.launches_after < report.launches_before, report.text()
+        torch.testing.assert_close(module(*args, **kwargs), expected)
+    finally:
+        fuser.restore(module)
+
+
+def test_transformers_model_forward_traces_with_its_output_wrappers():
+    """transformers' Qwen3Model.forward (wrapped to capture outputs, which sets ``use_cache``
+    itself), called by keyword as its CausalLM calls it, with its layers as leaves: it traces,
+    and its final norm is fused."""
+    import copy
+
+    from fuser.pipeline import plan
+    from tests.test_decode import PROMPT, prefilled, step
+    from tests.test_model import causal_lm
+
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    kwargs = step(tokens, PROMPT, copy.deepcopy(cache))
+    kwargs.pop("cache_position")
+    p = plan(model.model, (), example_kwargs=kwargs, leaves=["layers.0", "layers.1"])
+    assert [c.pattern for c in p.report.chains] == ["rmsnorm"], p.report.text()
