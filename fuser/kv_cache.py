@@ -9,8 +9,8 @@ for the values. :func:`update` takes the leaf's place in a fused graph: for a
 ``StaticCache`` layer that is a plain ``StaticLayer`` (not sliding, not offloaded,
 initialised, the new states of its dtype and sizes) it writes the keys and values at the
 cache's length in one kernel, reading the length on the device, then adds to the length as
-transformers does (the kernel's programs all read it first), and returns the layer's
-tensors. Any other cache, layer or call runs ``past_key_values.update`` itself.
+transformers does (a second launch, so that every program of the kernel has read the length
+before it changes), and returns the layer's tensors. Any other cache, layer or call runs ``past_key_values.update`` itself.
 
 As in transformers, the length is not checked against the cache's size on the host (that
 would be a device sync in every step). transformers' own write past the end fails on the
@@ -32,14 +32,16 @@ from fuser.emit import forbid_compile_during_capture
 _CACHE_MODULE = "transformers.cache_utils"
 
 
-@triton.jit(do_not_specialize=["rows"])
+@triton.jit
 def _write_at_length(
-    k_ptr, v_ptr, keys_ptr, values_ptr, length_ptr, rows, heads, steps, slots,
+    k_ptr, v_ptr, keys_ptr, values_ptr, length_ptr, heads, steps, slots,
     k_b, k_h, k_s, v_b, v_h, v_s, c_b, c_h, c_s,
     DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program per (batch, head, new position): the key and value rows written at slot
-    ``length + position`` of their cache rows (the caches' last dimension is contiguous)."""
+    ``length + position`` of their cache rows (the caches' last dimension is contiguous). The
+    batch is only the grid: no integer argument depends on it, so one compiled
+    kernel serves them all."""
     row = tl.program_id(0)
     b = row // (heads * steps)
     h = (row // steps) % heads
@@ -114,7 +116,7 @@ def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_id
     rows = batch * heads * steps
     if rows:
         _write_at_length[(rows,)](
-            key_states, value_states, keys, values, layer.cumulative_length, rows, heads, steps, keys.shape[2],
+            key_states, value_states, keys, values, layer.cumulative_length, heads, steps, keys.shape[2],
             key_states.stride(0), key_states.stride(1), key_states.stride(2),
             value_states.stride(0), value_states.stride(1), value_states.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
