@@ -59,32 +59,24 @@ def _write_at_length(
 forbid_compile_during_capture(_write_at_length, Path(__file__))
 
 
-def is_static_cache(cache) -> bool:
-    """Is ``cache`` transformers' ``StaticCache`` (whose ``update`` :func:`update` can run)?"""
-    cls = type(cache)
-    return cls.__name__ == "StaticCache" and cls.__module__ == _CACHE_MODULE
-
-
-def _writes_static_layer(cache, args) -> bool:
-    """Does ``cache.update(*args)`` (as traced) write a plain ``StaticLayer`` of a ``StaticCache``?"""
-    if not is_static_cache(cache) or len(args) < 3 or not isinstance(args[2], int):
-        return False
-    layers = getattr(cache, "layers", ())
-    return 0 <= args[2] < len(layers) and type(layers[args[2]]).__name__ == "StaticLayer"
-
-
-def _static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torch.Tensor):
-    """The cache's layer ``layer_idx`` when the kernel can write it, else None."""
-    if not is_static_cache(cache) or getattr(cache, "offloading", False) or not isinstance(layer_idx, int):
-        return None
-    if type(cache).update.__qualname__ != "Cache.update":  # the base class's, which calls the layer's
+def _plain_layer(cache, layer_idx):
+    """Layer ``layer_idx`` of ``cache`` when ``cache`` is transformers' ``StaticCache`` and the
+    layer a plain ``StaticLayer`` (not a sliding-window one), else None."""
+    if type(cache).__name__ != "StaticCache" or type(cache).__module__ != _CACHE_MODULE or not isinstance(layer_idx, int):
         return None
     layers = getattr(cache, "layers", ())
     if not 0 <= layer_idx < len(layers):
         return None
     layer = layers[layer_idx]
-    cls = type(layer)
-    if cls.__name__ != "StaticLayer" or cls.__module__ != _CACHE_MODULE or not layer.is_initialized:
+    return layer if type(layer).__name__ == "StaticLayer" and type(layer).__module__ == _CACHE_MODULE else None
+
+
+def _static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torch.Tensor):
+    """The cache's layer ``layer_idx`` when the kernel can write it, else None."""
+    layer = _plain_layer(cache, layer_idx)
+    if layer is None or getattr(cache, "offloading", False) or not layer.is_initialized:
+        return None
+    if type(cache).update.__qualname__ != "Cache.update":  # the base class's, which calls the layer's
         return None
     keys, values, length = layer.keys, layer.values, layer.cumulative_length
     device = keys.device
@@ -135,7 +127,7 @@ def write_in_one_kernel(graph: fx.Graph, traced) -> list[str]:
         if node.op != "call_method" or node.target != "update" or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         shadows = traced.shadows.get(node.args[0].name)
-        if shadows is not None and _writes_static_layer(shadows[0], node.args[1:4]):
+        if shadows is not None and len(node.args) >= 4 and _plain_layer(shadows[0], node.args[3]) is not None:
             node.op, node.target = "call_function", update
             changed.append(f"{node.args[0].target if node.args[0].op == 'placeholder' else node.args[0].name}.update")
     return changed

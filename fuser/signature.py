@@ -59,9 +59,10 @@ class CallSpec:
     @classmethod
     def of(cls, forward: Callable, args: tuple = (), kwargs: dict | None = None) -> "CallSpec":
         signature = inspect.signature(forward)
-        given = signature.bind(*args, **(kwargs or {})).arguments
+        bound = signature.bind(*args, **(kwargs or {}))
+        given = set(bound.arguments)
+        bound.apply_defaults()
         positional = _positional_names(signature, len(args))
-        bound = _bind(signature, args, kwargs or {})
         arguments, names, taken, state_names = [], [], set(), []
         for name, value in bound.arguments.items():
             kind = signature.parameters[name].kind
