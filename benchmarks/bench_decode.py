@@ -104,7 +104,8 @@ def measure(variant: str, forward, batch: int) -> dict:
     top = dict(sorted(((n, round(us, 1)) for n, us in by_name.items()), key=lambda x: -x[1])[:8])
     return dict(variant=variant, batch=batch, step_us=round(step_us, 1), tokens_per_s=round(batch / step_us * 1e6),
                 glue_launches=len(glue), heavy_launches=heavy, glue_us=round(glue_us, 1),
-                glue_share=round(glue_us / gpu_us, 3) if gpu_us else None, note=note, top_glue=top)  # fmt: skip
+                glue_share=round(glue_us / gpu_us, 3) if gpu_us else None, note=note, top_glue=top,
+                glue_order=[name[:60] for name, _ in glue])  # fmt: skip
 
 
 def _replayed(graph) -> list[tuple[str, float]]:

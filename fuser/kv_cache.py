@@ -8,9 +8,11 @@ of the positions, its add to the cache's length, and an ``index_copy_`` for the 
 for the values. :func:`update` takes the leaf's place in a fused graph: for a
 ``StaticCache`` layer that is a plain ``StaticLayer`` (not sliding, not offloaded,
 initialised, the new states of its dtype and sizes) it writes the keys and values at the
-cache's length in one kernel, reading the length on the device, then adds to the length as
-transformers does (a second launch, so that every program of the kernel has read the length
-before it changes), and returns the layer's tensors. Any other cache, layer or call runs ``past_key_values.update`` itself.
+cache's length in one kernel, reading the length on the device, and the same kernel adds to
+the length as transformers does: the last of its programs to finish (an atomic count of the
+programs done, kept beside the length and back at zero after each call) stores it, when every
+other program has read it. It returns the layer's tensors. Any other cache, layer or call runs
+``past_key_values.update`` itself.
 
 As in transformers, the length is not checked against the cache's size on the host (that
 would be a device sync in every step). transformers' own write past the end fails on the
@@ -20,6 +22,7 @@ device; this kernel's writes past the end are dropped.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -34,19 +37,20 @@ _CACHE_MODULE = "transformers.cache_utils"
 
 @triton.jit
 def _write_at_length(
-    k_ptr, v_ptr, keys_ptr, values_ptr, length_ptr, heads, steps, slots,
+    k_ptr, v_ptr, keys_ptr, values_ptr, length_ptr, done_ptr, heads, steps, slots,
     k_b, k_h, k_s, v_b, v_h, v_s, c_b, c_h, c_s,
     DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program per (batch, head, new position): the key and value rows written at slot
     ``length + position`` of their cache rows (the caches' last dimension is contiguous). The
     batch is only the grid: no integer argument depends on it, so one compiled
-    kernel serves them all."""
+    kernel serves them all. The last program to finish moves the length on by ``steps``."""
     row = tl.program_id(0)
     b = row // (heads * steps)
     h = (row // steps) % heads
     s = row % steps
-    slot = tl.load(length_ptr) + s
+    length = tl.load(length_ptr)
+    slot = length + s
     d = tl.arange(0, BLOCK)
     mask = (d < DIM) & (slot < slots)
     key = tl.load(k_ptr + b * k_b + h * k_h + s * k_s + d, mask=mask)
@@ -54,6 +58,11 @@ def _write_at_length(
     at = b * c_b + h * c_h + slot * c_s + d
     tl.store(keys_ptr + at, key, mask=mask)
     tl.store(values_ptr + at, value, mask=mask)
+    # Every program read the length before it counts itself done (acq_rel): the last one
+    # stores the new length and sets the count back to zero for the next call.
+    if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
+        tl.store(length_ptr, length + steps)
+        tl.store(done_ptr, 0)
 
 
 forbid_compile_during_capture(_write_at_length, Path(__file__))
@@ -97,9 +106,21 @@ def _static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torc
     return layer
 
 
+_DONE: dict[int, torch.Tensor] = {}  # id(length) -> its count of programs done
+
+
+def _done_count(length: torch.Tensor) -> torch.Tensor:
+    """The zeroed int32 count kept beside a layer's length while the length lives."""
+    count = _DONE.get(id(length))
+    if count is None:
+        count = _DONE[id(length)] = torch.zeros(1, dtype=torch.int32, device=length.device)
+        weakref.finalize(length, _DONE.pop, id(length), None)
+    return count
+
+
 def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx, *args, **kwargs):
     """``cache.update(key_states, value_states, layer_idx, ...)``, in one kernel and the
-    length's add where the cache is a plain static one (module docstring)."""
+    length's add in it, where the cache is a plain static one (module docstring)."""
     layer = _static_layer(cache, layer_idx, key_states, value_states)
     if layer is None:
         return cache.update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -108,13 +129,15 @@ def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_id
     rows = batch * heads * steps
     if rows:
         _write_at_length[(rows,)](
-            key_states, value_states, keys, values, layer.cumulative_length, heads, steps, keys.shape[2],
+            key_states, value_states, keys, values, layer.cumulative_length, _done_count(layer.cumulative_length),
+            heads, steps, keys.shape[2],
             key_states.stride(0), key_states.stride(1), key_states.stride(2),
             value_states.stride(0), value_states.stride(1), value_states.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
             DIM=dim, BLOCK=triton.next_power_of_2(dim),
         )  # fmt: skip
-    layer.cumulative_length.add_(steps)  # after the kernel, which read it: as StaticLayer.update
+    else:
+        layer.cumulative_length.add_(steps)
     return keys, values
 
 

@@ -92,6 +92,8 @@ def plan(
     report.literals = captured_literals(module, traced)
     report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
+    report.attention_calls = [r.line() for r in traced.attention_calls]
+    report.launches_before += sum(r.copies_removed for r in traced.attention_calls)  # eager still makes them
     for leaf in report.automatic_leaves:
         if leaf["name"] in cache_writes:
             leaf["reason"] += "; a plain layer of transformers' StaticCache is written by one kernel (fuser.kv_cache)"

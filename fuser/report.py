@@ -50,6 +50,7 @@ class Report:
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
     state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
+    attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
     launches_before: int = 0
@@ -83,6 +84,9 @@ class Report:
             lines += ["", f"leaves (automatic: code the trace cannot go into, and calls into compiled code; they run as they are) ({len(self.automatic_leaves)}):"]
             for leaf in self.automatic_leaves:
                 lines.append(f"  leaf (automatic): {leaf['name']} — {leaf['where']}, {leaf['reason']}")
+        if self.attention_calls:
+            lines += ["", f"attention calls given their arguments as they were made (fuser.attention_calls) ({len(self.attention_calls)}):"]
+            lines += [f"  {line}" for line in self.attention_calls]
         if self.precomputed:
             lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
         if self.literals:

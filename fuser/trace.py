@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from fuser import idioms
+from fuser.attention_calls import AttentionRewrite, rewrite_attention_calls
 from fuser.leaves import AutomaticLeaf, leaf_after, opaque_functions
 from fuser.shadow_tracer import ShadowTracer, _grow_batch
 from fuser.signature import CallSpec, StateRead, copy_state
@@ -64,6 +65,8 @@ class Traced:
     # what the traced code read off its state objects (``forward_batch.forward_mode``): the
     # guard compares each at every call
     state_reads: list[StateRead] = field(default_factory=list)
+    # sdpa calls whose arguments the trace rewrote (fuser.attention_calls)
+    attention_calls: list[AttentionRewrite] = field(default_factory=list)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
@@ -165,6 +168,7 @@ def trace(
             constants = _constants_taken_off(module, attributes)
     state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
     idioms.rewrite(graph, tracer.shadows, state)
+    attention = rewrite_attention_calls(graph, tracer.shadows)
     _drop_unused_size_reads(graph)
     return Traced(
         root=module,
@@ -177,6 +181,7 @@ def trace(
         automatic_leaves=automatic + tracer.noted,
         constants=constants,
         state_reads=list(tracer.state_reads.values()),
+        attention_calls=attention,
     )
 
 

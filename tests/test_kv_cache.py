@@ -77,6 +77,25 @@ def test_the_kernel_writes_the_cache_as_transformers_does(monkeypatch, dtype, ba
     assert (taken.kernel, taken.transformers) == (2, 0)
 
 
+def test_the_kernel_moves_the_length_on_itself(monkeypatch):
+    """No launch besides the kernel: its last program to finish adds to the length, and the
+    count of programs done is back at zero for the next call."""
+    expected = cache(3, 16, 2, torch.float32)
+    got = copy.deepcopy(expected)
+
+    def no_add(*args, **kwargs):
+        raise AssertionError("the length was added to outside the kernel")
+
+    for step in range(3):
+        k, v = states(2, 3, 2, 16, torch.float32, seed=step)
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "add_", no_add)
+            kv_cache.update(got, k, v, 0)
+        expected.update(k, v, 0)
+        assert int(kv_cache._done_count(got.layers[0].cumulative_length)) == 0
+    assert_same_cache(got, expected)
+
+
 def test_each_layer_of_the_cache_is_written_at_its_own_length(monkeypatch):
     expected = cache(2, 32, 2, torch.bfloat16, layer_types=("full_attention", "full_attention"))
     expected.layers[1].update(*states(2, 2, 2, 32, torch.bfloat16, seed=7))  # layer 1 two tokens ahead

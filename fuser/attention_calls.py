@@ -1,0 +1,221 @@
+"""attention_calls: two exact rewrites of the arguments of ``F.scaled_dot_product_attention``
+calls in a traced graph, made before planning.
+
+- **Grouped heads.** Keys and values whose heads were repeated for grouped-query attention
+  (transformers' ``repeat_kv``: ``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``;
+  or ``x.repeat_interleave(n, dim=1)``) are passed as they were, with ``enable_gqa=True``: the
+  attention reads each key head for its ``n`` query heads itself, and the two copies of the
+  whole cache a call (eager's, or fuser's copy kernels) are gone. A chain counts as a repeat
+  when it is data movement only and, replayed on a tensor of distinct values, gives that
+  tensor's ``repeat_interleave`` over the heads (at both traced batch sizes). It is rewritten
+  only where a fused backend of this torch takes the grouped call (on CUDA: flash,
+  memory-efficient or cuDNN attention); PyTorch's math backend would repeat the heads itself.
+- **Boolean masks.** sdpa turns a boolean mask into an additive one before it attends: 0 where
+  True, -inf where False, in the query's dtype (three launches inside the call). The same
+  ``where`` is put in the graph before the call instead, as glue that fuses with its neighbours
+  (one kernel for every call that reads the mask).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# Data movement a repeat of the heads may be made of; the replay decides what it computes.
+_MOVES = {"expand", "reshape", "view", "contiguous", "unsqueeze", "repeat_interleave", "flatten", "clone"}
+_MOVE_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.repeat_interleave, torch.flatten}
+_MAX_CHAIN = 8
+
+
+@dataclass
+class AttentionRewrite:
+    node: str  # the attention call
+    grouped: int = 0  # its query heads per key head, read in place of a repeat (0: not rewritten)
+    mask: str = ""  # the additive mask made of its boolean one (the node), if any
+    copies_removed: int = 0  # eager launches of the repeats no longer run
+
+    def line(self) -> str:
+        done = []
+        if self.grouped:
+            done.append(f"keys and values read as grouped heads (enable_gqa, {self.grouped} query heads a key head): "
+                        f"{self.copies_removed} copies of the repeated heads removed")  # fmt: skip
+        if self.mask:
+            done.append(f"boolean mask made additive as glue ({self.mask})")
+        return f"{self.node}: " + "; ".join(done)
+
+
+def rewrite_attention_calls(graph: fx.Graph, shadows: dict) -> list[AttentionRewrite]:
+    """Rewrite every sdpa call of the traced ``graph`` in place (``shadows``: node name ->
+    (value at T, value at T+1); new nodes get theirs); returns a record per call changed."""
+    traced, done = _Values(shadows), []
+    additive: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in SDPA:
+            continue
+        args = _bound(node)
+        if args is None:
+            continue
+        record = AttentionRewrite(node.name)
+        mask = args.get("attn_mask")
+        if isinstance(mask, fx.Node) and _is_bool_tensor(traced, mask):
+            if mask not in additive:
+                additive[mask] = _additive_mask(graph, traced, mask, traced.value(args["query"]).dtype, before=node)
+            _set(node, "attn_mask", additive[mask])
+            record.mask = additive[mask].name
+            mask = additive[mask]
+        grouped = _grouped(traced, args, mask)
+        if grouped is not None:
+            (key, value), n, removed = grouped
+            _set(node, "key", key)
+            _set(node, "value", value)
+            _set(node, "enable_gqa", True)
+            record.grouped, record.copies_removed = n, _erase_unused(graph, shadows, removed)
+        if record.grouped or record.mask:
+            done.append(record)
+    graph.lint()
+    return done
+
+
+class _Values:
+    """The shadows, read as the trace reads them."""
+
+    def __init__(self, shadows: dict):
+        self.shadows = shadows
+
+    def value(self, node: fx.Node):
+        return self.shadows[node.name][0]
+
+
+def _bound(node: fx.Node) -> dict | None:
+    """The call's arguments by name, or None where it passes more than sdpa takes."""
+    if len(node.args) > len(_ARGS) or any(k not in _ARGS for k in node.kwargs):
+        return None
+    return {**dict(zip(_ARGS, node.args)), **node.kwargs}
+
+
+def _set(node: fx.Node, name: str, value) -> None:
+    """Set one argument of the call, keeping positional ones where they are."""
+    position = _ARGS.index(name)
+    if position < len(node.args):
+        node.update_arg(position, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+def _is_bool_tensor(traced: _Values, node: fx.Node) -> bool:
+    value = traced.shadows.get(node.name, (None,))[0]
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _additive_mask(graph: fx.Graph, traced: _Values, mask: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
+    """``where(mask, 0, -inf).to(dtype)``, as sdpa makes it, inserted before ``before``."""
+    with graph.inserting_before(before):
+        where = graph.call_function(torch.where, (mask, 0.0, float("-inf")))
+        cast = graph.call_method("to", (where, dtype))
+    shadows = [torch.where(m, 0.0, float("-inf")) for m in traced.shadows[mask.name]]
+    traced.shadows[where.name] = tuple(shadows)
+    traced.shadows[cast.name] = tuple(s.to(dtype) for s in shadows)
+    return cast
+
+
+def _grouped(traced: _Values, args: dict, mask) -> tuple | None:
+    """((key source, value source), heads per group, nodes of the repeats) where both key and
+    value are repeats of the heads by the same factor and a fused backend takes the grouped
+    call; else None."""
+    if args.get("enable_gqa") or not all(isinstance(args.get(a), fx.Node) for a in ("query", "key", "value")):
+        return None
+    query = traced.value(args["query"])
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return None
+    found = [_repeat_of(traced, args[a], query.shape[1]) for a in ("key", "value")]
+    if None in found or found[0][1] != found[1][1]:
+        return None
+    (key, n, key_chain), (value, _, value_chain) = found
+    mask_value = traced.value(mask) if isinstance(mask, fx.Node) else None
+    dropout, causal = args.get("dropout_p", 0.0), args.get("is_causal", False)
+    if not _fused_backend_takes(query, traced.value(key), traced.value(value), mask_value, dropout, causal):
+        return None
+    return (key, value), n, key_chain + value_chain
+
+
+def _repeat_of(traced: _Values, node: fx.Node, query_heads: int) -> tuple | None:
+    """(source, n, the chain's nodes) where ``node`` is ``source`` with each head repeated ``n``
+    times in place (dim 1), made by data movement alone; else None."""
+    chain, source = [], node
+    while len(chain) < _MAX_CHAIN and _moves_data(source):
+        chain.append(source)
+        source = source.args[0]
+        if not isinstance(source, fx.Node):
+            return None
+        value = traced.shadows.get(source.name, (None,))[0]
+        if isinstance(value, torch.Tensor) and value.dim() == 4 and query_heads % value.shape[1] == 0:
+            n = query_heads // value.shape[1]
+            if n > 1 and all(_replays_as_repeat(traced, chain, source, n, at) for at in (0, 1)):
+                return source, n, chain
+    return None
+
+
+def _moves_data(node) -> bool:
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in _MOVES
+    return node.op == "call_function" and node.target in _MOVE_FUNCTIONS
+
+
+def _replays_as_repeat(traced: _Values, chain: list[fx.Node], source: fx.Node, n: int, at: int) -> bool:
+    """Does the chain, run on a tensor of distinct values shaped as ``source`` at traced batch
+    size ``at`` (0 or 1), give that tensor's heads each repeated ``n`` times in place?"""
+    shape = traced.shadows[source.name][at].shape
+    probe = torch.arange(shape.numel()).reshape(shape)
+    values = {source: probe}
+
+    def value_of(a):
+        return values[a] if a in values else traced.shadows[a.name][at] if isinstance(a, fx.Node) else a
+
+    try:
+        for node in reversed(chain):
+            args = fx.node.map_aggregate(node.args, value_of)
+            kwargs = fx.node.map_aggregate(node.kwargs, value_of)
+            values[node] = getattr(args[0], node.target)(*args[1:], **kwargs) if node.op == "call_method" else node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 — a chain that does not replay is no repeat
+        return False
+    out = values[chain[0]]
+    return isinstance(out, torch.Tensor) and torch.equal(out, probe.repeat_interleave(n, dim=1))
+
+
+def _fused_backend_takes(query, key, value, mask, dropout, causal) -> bool:
+    """On CUDA, does flash, memory-efficient or cuDNN attention, where enabled, take the
+    grouped call? transformers itself passes grouped heads only without a mask, since PyTorch's
+    math backend, which repeats the heads itself, may be all that takes a masked one. (On the
+    CPU, where Triton's interpreter runs the kernels, every call is rewritten: the same results.)"""
+    if query.device.type == "cpu":
+        return True
+    if query.device.type != "cuda":
+        return False
+    cuda = torch.backends.cuda
+    params = cuda.SDPAParams(query, key, value, mask, dropout, causal, True)
+    backends = ((cuda.flash_sdp_enabled, cuda.can_use_flash_attention), (cuda.mem_efficient_sdp_enabled, cuda.can_use_efficient_attention),
+                (cuda.cudnn_sdp_enabled, cuda.can_use_cudnn_attention))  # fmt: skip
+    return any(enabled() and takes(params, False) for enabled, takes in backends)
+
+
+def _erase_unused(graph: fx.Graph, shadows: dict, chain: list[fx.Node]) -> int:
+    """Erase the chain's nodes nothing reads any more (the outermost first); returns the eager
+    launches they cost (those that made a new tensor, not a view of their input)."""
+    launches = 0
+    for node in chain:
+        for user in list(node.users):  # a size read nothing uses (the trace drops them later)
+            if user.op == "call_method" and user.target == "size" and not user.users:
+                graph.erase_node(user)
+        if not node.users:
+            made, read = shadows[node.name][0], shadows[node.args[0].name][0]
+            launches += made.untyped_storage().data_ptr() != read.untyped_storage().data_ptr()
+            graph.erase_node(node)
+    return launches

@@ -1,0 +1,129 @@
+"""fuser.attention_calls: sdpa calls read grouped key/value heads in place of their repeats, and
+take an additive mask made as glue in place of a boolean one — in transformers' own attention
+as shipped, and in hand-written spellings; a head order that is not a repeat in place is left
+alone. Fused against eager within the layer tolerance."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fuser
+from fuser.tolerance import LAYER, mismatch
+from fuser.trace import trace
+from tests.test_decode import PROMPT, prefilled, step
+from tests.test_model import causal_lm
+
+KV_HEADS, GROUP, DIM, KEYS = 2, 3, 16, 7
+
+
+class Attention(nn.Module):
+    """Queries of KV_HEADS * GROUP heads against KV_HEADS key heads, repeated as ``spell`` says."""
+
+    def __init__(self, spell: str, mask_kind: str = "bool"):
+        super().__init__()
+        self.spell, self.mask_kind = spell, mask_kind
+
+    def repeat(self, x, n):
+        b, h, s, d = x.shape
+        if self.spell == "expand":  # transformers' repeat_kv
+            return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+        if self.spell == "repeat_interleave":
+            return x.repeat_interleave(n, dim=1)
+        if self.spell == "repeat":  # head h reads key head h % KV_HEADS: not grouped in place
+            return x.repeat(1, n, 1, 1)
+        raise ValueError(self.spell)
+
+    def forward(self, q, k, v, mask):
+        q = q * 2.0
+        return F.scaled_dot_product_attention(q, self.repeat(k, GROUP), self.repeat(v, GROUP), attn_mask=mask)
+
+
+def inputs(tokens=3, queries=2, mask_kind="bool", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, KV_HEADS * GROUP, queries, DIM, generator=g)
+    k, v = (torch.randn(tokens, KV_HEADS, KEYS, DIM, generator=g) for _ in range(2))
+    mask = torch.rand(tokens, 1, queries, KEYS, generator=g) > 0.3
+    mask[0, 0, 0] = False  # a row that attends to nothing
+    if mask_kind == "float":
+        mask = torch.where(mask, 0.0, -1e4)
+    return q, k, v, mask
+
+
+def sdpa_call(graph):
+    (node,) = [n for n in graph.nodes if n.target is F.scaled_dot_product_attention]
+    return node
+
+
+@pytest.mark.parametrize("spell", ["expand", "repeat_interleave"])
+def test_repeated_heads_are_read_grouped_and_the_boolean_mask_made_additive(spell):
+    module, example = Attention(spell), inputs()
+    traced = trace(module, example)
+    call = sdpa_call(traced.graph)
+    assert call.kwargs["enable_gqa"] is True
+    assert call.args[1].name == "k" and call.args[2].name == "v", call.args  # the inputs themselves
+    assert call.kwargs["attn_mask"].op == "call_method" and call.kwargs["attn_mask"].target == "to"
+    assert not [n for n in traced.graph.nodes if n.target in ("expand", "reshape", "repeat_interleave")]
+    (record,) = traced.attention_calls
+    assert record.grouped == GROUP and record.copies_removed == 2 and record.mask
+
+    expected = module(*example)
+    fuser.apply(module, example)
+    for seed, tokens in ((0, 3), (1, 5)):
+        got, want = module(*inputs(tokens, seed=seed)), Attention(spell)(*inputs(tokens, seed=seed))
+        assert mismatch(got, want, f"{spell}, {tokens} tokens", LAYER) is None
+    assert mismatch(module(*example), expected, "the example", LAYER) is None
+
+
+def test_a_head_order_that_is_not_a_repeat_in_place_is_left_as_it_is():
+    module, example = Attention("repeat"), inputs()
+    traced = trace(module, example)
+    call = sdpa_call(traced.graph)
+    assert "enable_gqa" not in call.kwargs and call.args[1].target == "repeat"
+    assert [r.grouped for r in traced.attention_calls] == [0]  # the mask alone
+    expected = module(*example)
+    fuser.apply(module, example)
+    assert mismatch(module(*example), expected, "repeat", LAYER) is None
+
+
+def test_a_float_mask_and_an_ungrouped_call_are_untouched():
+    class Plain(nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q * 2.0, k, v, attn_mask=mask)
+
+    q, k, v, mask = inputs(mask_kind="float")
+    traced = trace(Plain(), (q, k.repeat_interleave(GROUP, 1), v.repeat_interleave(GROUP, 1), mask))
+    assert traced.attention_calls == []
+    assert sdpa_call(traced.graph).kwargs["attn_mask"].name == "mask"
+
+
+def test_transformers_qwen3_attention_reads_its_cache_grouped():
+    """transformers' sdpa attention as shipped: ``repeat_kv`` of the static cache's keys and
+    values, and the boolean causal mask, in a decode step of a whole Qwen3 model."""
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    eager_model, eager_cache, fused_cache = copy.deepcopy(model), copy.deepcopy(cache), copy.deepcopy(cache)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    (line,) = group.report.attention_calls
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert f"enable_gqa, {groups} query heads a key head" in line and "2 copies" in line and "mask made additive" in line
+    assert not [c for c in group.report.chains if c.pattern == "copy"]  # no copy kernel left for the repeats
+    with torch.no_grad():
+        got = model(**step(tokens, PROMPT, fused_cache)).logits
+        want = eager_model(**step(tokens, PROMPT, eager_cache)).logits
+    assert mismatch(got, want, "logits", LAYER) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_the_gpu_a_fused_backend_takes_the_grouped_call(dtype):
+    module = Attention("expand")
+    example = tuple(x.cuda().to(dtype) if x.is_floating_point() else x.cuda() for x in inputs(tokens=4))
+    traced = trace(module, example)
+    assert sdpa_call(traced.graph).kwargs.get("enable_gqa") is True
+    expected = module(*example)
+    fuser.apply(module, example)
+    assert mismatch(module(*example), expected, str(dtype), LAYER) is None
