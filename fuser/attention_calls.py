@@ -1,5 +1,6 @@
-"""attention_calls: two exact rewrites of the arguments of ``F.scaled_dot_product_attention``
-calls in a traced graph, made before planning.
+"""attention_calls: two rewrites of the arguments of ``F.scaled_dot_product_attention`` calls
+in a traced graph, made before planning. Each keeps the backend sdpa picks for the call as
+made (PyTorch's own choice, asked on the example's call), so each computes what eager does.
 
 - **Grouped heads.** Keys and values whose heads were repeated for grouped-query attention
   (transformers' ``repeat_kv``: ``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``;
@@ -8,14 +9,15 @@ calls in a traced graph, made before planning.
   whole cache a call (eager's, or fuser's copy kernels) are gone. A chain counts as a repeat
   when it is data movement only and, replayed on a tensor of distinct values, gives that
   tensor's ``repeat_interleave`` over the heads (at both traced batch sizes). It is rewritten
-  only where a fused backend of this torch takes the grouped call (on CUDA: flash,
-  memory-efficient or cuDNN attention); PyTorch's math backend would repeat the heads itself.
-- **Boolean masks.** sdpa turns a boolean mask into an additive one before it attends: 0 where
-  True, -inf where False, in the query's dtype (three launches inside the call). The same
-  ``where`` is put in the graph before the call instead, as glue that fuses with its neighbours
-  (one kernel for every call that reads the mask).
+  only where sdpa picks the same fused backend for the grouped call (cuDNN attention on an
+  H200, for one); transformers passes grouped heads itself only without a mask, since the
+  math backend, which repeats the heads itself, may be all that takes a masked one.
+- **Boolean masks.** sdpa turns a boolean mask into an additive one after it picks its
+  backend: 0 where True and, where False, -inf (-65504 for cuDNN attention), in the query's
+  dtype: three launches inside the call. The same ``where`` is put in the graph before the
+  call instead, as glue that fuses with its neighbours (one kernel for every call that reads
+  the mask). A row with nothing to attend to gets what eager gives it.
 """
-
 from __future__ import annotations
 
 import operator
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -31,6 +34,8 @@ _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 _MOVES = {"expand", "reshape", "view", "contiguous", "unsqueeze", "repeat_interleave", "flatten", "clone"}
 _MOVE_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.repeat_interleave, torch.flatten}
 _MAX_CHAIN = 8
+_MATH, _CUDNN = SDPBackend.MATH.value, SDPBackend.CUDNN_ATTENTION.value
+_CUDNN_FILL = -65504.0  # what sdpa fills a boolean mask's False with for cuDNN attention
 
 
 @dataclass
@@ -54,22 +59,31 @@ def rewrite_attention_calls(graph: fx.Graph, shadows: dict) -> list[AttentionRew
     """Rewrite every sdpa call of the traced ``graph`` in place (``shadows``: node name ->
     (value at T, value at T+1); new nodes get theirs); returns a record per call changed."""
     traced, done = _Values(shadows), []
-    additive: dict[fx.Node, fx.Node] = {}
+    additive: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA:
             continue
         args = _bound(node)
         if args is None:
             continue
+        values = {name: traced.value(a) if isinstance(a, fx.Node) else a for name, a in args.items()}
+        eager = _backend(values)
+        if eager is None:
+            continue
         record = AttentionRewrite(node.name)
         mask = args.get("attn_mask")
-        if isinstance(mask, fx.Node) and _is_bool_tensor(traced, mask):
-            if mask not in additive:
-                additive[mask] = _additive_mask(graph, traced, mask, traced.value(args["query"]).dtype, before=node)
-            _set(node, "attn_mask", additive[mask])
-            record.mask = additive[mask].name
-            mask = additive[mask]
-        grouped = _grouped(traced, args, mask)
+        if isinstance(values.get("attn_mask"), torch.Tensor) and values["attn_mask"].dtype == torch.bool:
+            dtype = values["query"].dtype
+            fill = _CUDNN_FILL if eager == _CUDNN else float("-inf")
+            made = _made_additive(values["attn_mask"], fill, dtype)
+            if _backend({**values, "attn_mask": made}) != eager:
+                continue
+            if (mask, fill, dtype) not in additive:
+                additive[mask, fill, dtype] = _additive_mask(graph, traced, mask, fill, dtype, before=node)
+            mask = additive[mask, fill, dtype]
+            _set(node, "attn_mask", mask)
+            values["attn_mask"], record.mask = made, mask.name
+        grouped = _grouped(traced, args, values, eager)
         if grouped is not None:
             (key, value), n, removed = grouped
             _set(node, "key", key)
@@ -108,38 +122,47 @@ def _set(node: fx.Node, name: str, value) -> None:
         node.update_kwarg(name, value)
 
 
-def _is_bool_tensor(traced: _Values, node: fx.Node) -> bool:
-    value = traced.shadows.get(node.name, (None,))[0]
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+def _backend(values: dict) -> int | None:
+    """The backend sdpa picks for a call with these arguments (PyTorch's own choice,
+    ``torch._fused_sdp_choice``), or None where it cannot tell."""
+    try:
+        return torch._fused_sdp_choice(
+            values["query"], values["key"], values["value"], values.get("attn_mask"), values.get("dropout_p", 0.0),
+            values.get("is_causal", False), scale=values.get("scale"), enable_gqa=bool(values.get("enable_gqa", False)),
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 — a call it cannot judge is left as it is
+        return None
 
 
-def _additive_mask(graph: fx.Graph, traced: _Values, mask: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
-    """``where(mask, 0, -inf).to(dtype)``, as sdpa makes it, inserted before ``before``."""
+def _made_additive(mask: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(mask, 0.0, fill).to(dtype)
+
+
+def _additive_mask(graph: fx.Graph, traced: _Values, mask: fx.Node, fill: float, dtype: torch.dtype, before: fx.Node) -> fx.Node:
+    """``where(mask, 0, fill).to(dtype)``, as sdpa makes it, inserted before ``before``."""
     with graph.inserting_before(before):
-        where = graph.call_function(torch.where, (mask, 0.0, float("-inf")))
+        where = graph.call_function(torch.where, (mask, 0.0, fill))
         cast = graph.call_method("to", (where, dtype))
-    shadows = [torch.where(m, 0.0, float("-inf")) for m in traced.shadows[mask.name]]
-    traced.shadows[where.name] = tuple(shadows)
-    traced.shadows[cast.name] = tuple(s.to(dtype) for s in shadows)
+    traced.shadows[where.name] = tuple(torch.where(m, 0.0, fill) for m in traced.shadows[mask.name])
+    traced.shadows[cast.name] = tuple(_made_additive(m, fill, dtype) for m in traced.shadows[mask.name])
     return cast
 
 
-def _grouped(traced: _Values, args: dict, mask) -> tuple | None:
+def _grouped(traced: _Values, args: dict, values: dict, eager: int) -> tuple | None:
     """((key source, value source), heads per group, nodes of the repeats) where both key and
-    value are repeats of the heads by the same factor and a fused backend takes the grouped
-    call; else None."""
-    if args.get("enable_gqa") or not all(isinstance(args.get(a), fx.Node) for a in ("query", "key", "value")):
+    value are repeats of the heads by the same factor and sdpa picks the same fused backend for
+    the grouped call as for the call made; else None."""
+    if values.get("enable_gqa") or not all(isinstance(args.get(a), fx.Node) for a in ("query", "key", "value")):
         return None
-    query = traced.value(args["query"])
+    query = values["query"]
     if not isinstance(query, torch.Tensor) or query.dim() != 4:
         return None
     found = [_repeat_of(traced, args[a], query.shape[1]) for a in ("key", "value")]
     if None in found or found[0][1] != found[1][1]:
         return None
     (key, n, key_chain), (value, _, value_chain) = found
-    mask_value = traced.value(mask) if isinstance(mask, fx.Node) else None
-    dropout, causal = args.get("dropout_p", 0.0), args.get("is_causal", False)
-    if not _fused_backend_takes(query, traced.value(key), traced.value(value), mask_value, dropout, causal):
+    grouped = {**values, "key": traced.value(key), "value": traced.value(value), "enable_gqa": True}
+    if eager == _MATH or _backend(grouped) != eager:
         return None
     return (key, value), n, key_chain + value_chain
 
@@ -188,22 +211,6 @@ def _replays_as_repeat(traced: _Values, chain: list[fx.Node], source: fx.Node, n
         return False
     out = values[chain[0]]
     return isinstance(out, torch.Tensor) and torch.equal(out, probe.repeat_interleave(n, dim=1))
-
-
-def _fused_backend_takes(query, key, value, mask, dropout, causal) -> bool:
-    """On CUDA, does flash, memory-efficient or cuDNN attention, where enabled, take the
-    grouped call? transformers itself passes grouped heads only without a mask, since PyTorch's
-    math backend, which repeats the heads itself, may be all that takes a masked one. (On the
-    CPU, where Triton's interpreter runs the kernels, every call is rewritten: the same results.)"""
-    if query.device.type == "cpu":
-        return True
-    if query.device.type != "cuda":
-        return False
-    cuda = torch.backends.cuda
-    params = cuda.SDPAParams(query, key, value, mask, dropout, causal, True)
-    backends = ((cuda.flash_sdp_enabled, cuda.can_use_flash_attention), (cuda.mem_efficient_sdp_enabled, cuda.can_use_efficient_attention),
-                (cuda.cudnn_sdp_enabled, cuda.can_use_cudnn_attention))  # fmt: skip
-    return any(enabled() and takes(params, False) for enabled, takes in backends)
 
 
 def _erase_unused(graph: fx.Graph, shadows: dict, chain: list[fx.Node]) -> int:

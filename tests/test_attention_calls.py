@@ -117,13 +117,46 @@ def test_transformers_qwen3_attention_reads_its_cache_grouped():
     assert mismatch(got, want, "logits", LAYER) is None
 
 
+class DecodeAttention(Attention):
+    def forward(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q * 2.0, self.repeat(k, q.shape[1] // k.shape[1]),
+                                              self.repeat(v, q.shape[1] // k.shape[1]), attn_mask=mask)  # fmt: skip
+
+
+def decode_inputs(tokens, heads, kv_heads, dim, keys, dtype, seed=0):
+    """One new token per sequence against a cache of ``keys`` slots, the last ones not yet
+    written (masked), and one sequence with nothing to attend to."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, 1, dim, generator=g)
+    k, v = (torch.randn(tokens, kv_heads, keys, dim, generator=g) for _ in range(2))
+    mask = (torch.arange(keys) < keys - 5).expand(tokens, 1, 1, keys).clone()
+    mask[0] = False
+    return tuple(x.cuda().to(dtype) for x in (q, k, v)) + (mask.cuda(),)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_on_the_gpu_a_fused_backend_takes_the_grouped_call(dtype):
-    module = Attention("expand")
-    example = tuple(x.cuda().to(dtype) if x.is_floating_point() else x.cuda() for x in inputs(tokens=4))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_on_the_gpu_a_decode_call_is_grouped_and_matches_eager(dtype, tokens):
+    """Qwen3-8B's attention shape (32 query heads, 8 key heads, 128 dims) against a cache of
+    352 slots: on the H200 sdpa takes the grouped call with the backend of the call as made
+    (cuDNN attention), and the sequence with nothing to attend to gets what eager gives it."""
+    module, example = DecodeAttention("expand"), decode_inputs(tokens, 32, 8, 128, 352, dtype)
     traced = trace(module, example)
-    assert sdpa_call(traced.graph).kwargs.get("enable_gqa") is True
+    assert sdpa_call(traced.graph).kwargs.get("enable_gqa") is True, traced.attention_calls
     expected = module(*example)
     fuser.apply(module, example)
-    assert mismatch(module(*example), expected, str(dtype), LAYER) is None
+    assert mismatch(module(*example), expected, f"{dtype}, {tokens} tokens", LAYER) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim, keys", [(16, 7), (64, 33), (80, 100)])
+def test_on_the_gpu_any_backend_gives_what_eager_gives(dtype, dim, keys):
+    """Small and odd shapes, where sdpa may pick another backend for a grouped call (then the
+    repeats stay) or fill a boolean mask its own way: the fused call gives eager's result,
+    rows with nothing to attend to included."""
+    module, example = DecodeAttention("expand"), decode_inputs(4, 6, 2, dim, keys, dtype, seed=dim)
+    expected = module(*example)
+    fuser.apply(module, example)
+    assert mismatch(module(*example), expected, f"{dtype}, dim {dim}, {keys} keys", LAYER) is None
