@@ -2,6 +2,7 @@
 
     python benchmarks/plot.py benchmarks/results/dsv4_flash.json
     python benchmarks/plot.py benchmarks/results/zoo.json      # the zoo summary
+    python benchmarks/plot.py benchmarks/results/decode.json   # whole-model decode steps
 """
 
 import json
@@ -40,8 +41,32 @@ def plot_zoo(data: dict, path: Path) -> Path:
     return out
 
 
+def plot_decode(data: dict, path: Path) -> Path:
+    """Step time, tokens/s and glue launches per variant and batch, one row per model measured."""
+    models = {name: m for name, m in data["models"].items() if any("step_us" in r for r in m["rows"])}
+    fig, axes = plt.subplots(len(models), 3, figsize=(15, 4.2 * len(models)), squeeze=False)
+    for row, (name, model) in zip(axes, models.items()):
+        for ax, key, label in zip(row, ("step_us", "tokens_per_s", "glue_launches"), ("decode step, µs", "tokens/s", "glue launches per step")):
+            for variant in ("eager", "compile", "fuser"):
+                rows = [r for r in model["rows"] if r["variant"] == variant and key in r]
+                ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=variant)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch (sequences, one new token each)")
+            s = model["stamp"]
+            ax.set_title(f"{name}: {label} (commit {s['commit']})")
+            ax.grid(alpha=0.3)
+        row[0].legend()
+    fig.suptitle("a whole CausalLM's decode step, static cache, replayed in CUDA graphs, H200")
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
+    if "models" in data:
+        return plot_decode(data, path)
     if "stamp" not in data:
         return plot_zoo(data, path)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
