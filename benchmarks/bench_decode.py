@@ -70,10 +70,8 @@ def causal_lm(name: str, layers: int | None = None, **overrides):
 
 def prefilled(model, batch: int):
     """A static cache holding PREFIX tokens per sequence, and the next token of each."""
-    from transformers import StaticCache
-
     ids = torch.randint(0, model.config.vocab_size, (batch, PREFIX), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    cache = StaticCache(config=model.config, max_cache_len=PREFIX + ROOM)
+    cache = zoo.static_cache(model.config, PREFIX + ROOM)  # plain layers: a sliding one cannot be captured
     with torch.no_grad():
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
     return cache, logits[:, -1:].argmax(-1)
@@ -116,7 +114,8 @@ def _replayed(graph) -> list[tuple[str, float]]:
     return bench._kernels(prof)
 
 
-def run(name: str, batches: tuple[int, ...]) -> dict:
+def run(name: str, batches: tuple[int, ...], save=lambda record: None) -> dict:
+    """The model's rows, batch by batch (``save`` is called with the record after each)."""
     model = causal_lm(name)
     compiled_model = sharing_weights(model)
     fused_model = sharing_weights(model)
@@ -146,6 +145,7 @@ def run(name: str, batches: tuple[int, ...]) -> dict:
             row["compile_s"] = compile_s
             print(row, flush=True)
             record["rows"].append(row)
+        save(record)
         del cache
         torch.cuda.empty_cache()
     return record
@@ -217,9 +217,12 @@ if __name__ == "__main__":
     if args.apply_time:
         results["apply_time"] = apply_time()
     else:
-        for name in args.models.split(","):
-            results["models"][name] = run(name, tuple(int(b) for b in args.batches.split(",")))
+        def save(record):
+            results["models"][record["model"]] = record
             path.write_text(json.dumps(results, indent=1) + "\n")
+
+        for name in args.models.split(","):
+            run(name, tuple(int(b) for b in args.batches.split(",")), save)
     path.write_text(json.dumps(results, indent=1) + "\n")
     (OUT / "decode.md").write_text(markdown(results))
     print(markdown(results))

@@ -12,6 +12,7 @@ import fuser
 from fuser import kv_cache
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import LAYER, mismatch
+from examples.zoo import layers as zoo
 from tests.test_model import causal_lm
 
 BATCH, PROMPT, STEPS = 3, 6, 3
@@ -145,3 +146,44 @@ def test_a_model_of_one_layer_is_fused_as_one_module_and_decodes_as_eager():
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
+
+
+def test_deepseek_v4_decodes_alike_from_plain_static_layers_and_the_kernel_writes_them(monkeypatch):
+    """``zoo.static_cache`` (the decode benchmark's cache) gives DeepSeek-V4 plain static
+    layers in place of its sliding-window ones, which no CUDA graph can capture: the model's own
+    sliding-window mask keeps each token to its window, so the logits are transformers' own
+    with its sliding cache (a window of 4, shorter than the sequence, so that it matters). Fused,
+    fuser.kv_cache's kernel writes those layers, and greedy decode matches eager."""
+    model = causal_lm("deepseek_v4", layers=2, sliding_window=4)
+    ids = torch.randint(0, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+
+    def prefilled_from(cache):
+        with torch.no_grad():
+            return cache, model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    sliding, tokens = prefilled_from(StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 2))
+    expected = greedy(model, sliding, tokens)
+    plain, tokens = prefilled_from(zoo.static_cache(model.config, PROMPT + STEPS + 2))
+    got = greedy(model, plain, tokens)
+    assert {type(layer).__name__ for layer in sliding.layers} == {"StaticSlidingWindowLayer"}
+    assert {type(layer).__name__ for layer in plain.layers} == {"StaticLayer"}
+    wide = causal_lm("deepseek_v4", layers=2, sliding_window=128)  # the window decides the logits
+    wide.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        first_wide = wide(input_ids=ids, use_cache=False).logits
+        first = model(input_ids=ids, use_cache=False).logits
+    assert mismatch(first, first_wide, "window 4 against 128", LAYER) is not None
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert mismatch(a, b, f"plain against sliding layers, step {i}", LAYER) is None
+
+    cache, tokens = prefilled_from(zoo.static_cache(model.config, PROMPT + STEPS + 2))
+    eager_model = copy.deepcopy(model)
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    writes = []
+    found = kv_cache._static_layer
+    monkeypatch.setattr(kv_cache, "_static_layer", lambda *a: writes.append(found(*a)) or writes[-1])
+    fused = greedy(model, cache, tokens)
+    assert len([w for w in writes if w is not None]) == 2 * STEPS
+    for i, (a, b) in enumerate(zip(fused, eager)):
+        assert mismatch(a, b, f"fused logits at step {i}", LAYER) is None

@@ -18,6 +18,7 @@ Nothing here is edited to suit fuser: only configs are chosen and inputs made.
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import torch
@@ -130,6 +131,23 @@ def config(model: str, device) -> object:
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = "grouped_mm"
     return cfg
+
+
+def static_cache(config, max_cache_len: int):
+    """transformers' ``StaticCache`` for a decode step captured in a CUDA graph: its plain layers
+    in place of sliding-window ones. A ``StaticSlidingWindowLayer`` (every DeepSeek-V4 layer's)
+    keeps its length as a Python int, which a replayed graph does not advance, and once its
+    window is full indexes with ``torch.tensor([-1], device=...)`` (transformers 5.19,
+    ``cache_utils.py:569``), a copy from host memory that no capture takes. A plain layer sized
+    for the whole sequence holds every key instead, and the model's own sliding-window mask
+    still keeps each token to its window: the same logits (``tests/test_decode.py``)."""
+    from transformers import StaticCache
+
+    types = getattr(config, "layer_types", None)
+    if types and "sliding_attention" in types:
+        config = copy.deepcopy(config)
+        config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in types]
+    return StaticCache(config=config, max_cache_len=max_cache_len)
 
 
 class Projection(nn.Module):
