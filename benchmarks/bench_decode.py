@@ -77,8 +77,24 @@ def prefilled(model, batch: int):
     return cache, logits[:, -1:].argmax(-1)
 
 
-def step(tokens, cache) -> dict:
-    return dict(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=torch.tensor([PREFIX], device="cuda"))
+def step(model, tokens, cache) -> dict:
+    """The decode step's keyword arguments. Where the model attends with transformers' eager
+    attention (DeepSeek-V4), its masks are made here, before the step, as ``generate()`` makes
+    them (``create_masks_for_generate``) and the forward takes them: the eager mask is made with
+    ``torch.tensor(0.0, device=...)`` (transformers 5.19, ``masking_utils.py:606``), a copy from
+    host memory that no CUDA graph can capture (a serving engine keeps such metadata in static
+    buffers, written outside the graph). The same masks for every variant."""
+    kwargs = dict(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=torch.tensor([PREFIX], device="cuda"))
+    if model.config._attn_implementation == "eager":
+        from transformers.masking_utils import create_masks_for_generate
+
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(tokens)
+            positions = (torch.arange(tokens.shape[1], device=tokens.device) + PREFIX).unsqueeze(0)
+            kwargs["attention_mask"] = create_masks_for_generate(
+                config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=cache, position_ids=positions
+            )
+    return kwargs
 
 
 def sharing_weights(model):
@@ -123,14 +139,14 @@ def run(name: str, batches: tuple[int, ...], save=lambda record: None) -> dict:
     record = dict(model=name, layers=model.config.num_hidden_layers, stamp=bench.stamp(), rows=[])
     cache, tokens = prefilled(model, 8)
     started = time.perf_counter()
-    report = fuser.apply(fused_model, (), example_kwargs=step(tokens, copy.deepcopy(cache)))
+    report = fuser.apply(fused_model, (), example_kwargs=step(model, tokens, copy.deepcopy(cache)))
     record["apply_s"] = round(time.perf_counter() - started, 1)
     record["fuser_report"] = report.text()
     del cache
     for batch in batches:
         cache, tokens = prefilled(model, batch)
         for variant, module in (("eager", model), ("compile", None), ("fuser", fused_model)):
-            kwargs = step(tokens, copy.deepcopy(cache))
+            kwargs = step(model, tokens, copy.deepcopy(cache))
             if variant == "compile":
                 forward = functools.partial(compiled_forward, **kwargs)
                 torch.cuda.synchronize()
@@ -161,7 +177,7 @@ def apply_time(layers: int = 43) -> dict:
         target = sharing_weights(model)
         torch.cuda.synchronize()
         started = time.perf_counter()
-        report = fuser.apply(target, (), example_kwargs=step(tokens, copy.deepcopy(cache)))
+        report = fuser.apply(target, (), example_kwargs=step(model, tokens, copy.deepcopy(cache)))
         times[kind] = round(time.perf_counter() - started, 1)
         print(kind, times[kind], "s;", report.launches_before, "->", report.launches_after, "launches", flush=True)
         fuser.restore(target)
