@@ -1,6 +1,7 @@
-"""attention_calls: two rewrites of the arguments of ``F.scaled_dot_product_attention`` calls
-in a traced graph, made before planning. Each keeps the backend sdpa picks for the call as
-made (PyTorch's own choice, asked on the example's call), so each computes what eager does.
+"""attention_calls: attention that reads its keys and values as they are, rewritten in a traced
+graph before planning: the arguments of ``F.scaled_dot_product_attention`` calls, and eager
+attention's two products. Each sdpa rewrite keeps the backend sdpa picks for the call as made
+(PyTorch's own choice, asked on the example's call), so each computes what eager does.
 
 - **Grouped heads.** Keys and values whose heads were repeated for grouped-query attention
   (transformers' ``repeat_kv``: ``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``;
@@ -17,7 +18,13 @@ made (PyTorch's own choice, asked on the example's call), so each computes what 
   dtype: three launches inside the call. The same ``where`` is put in the graph before the
   call instead, as glue that fuses with its neighbours (one kernel for every call that reads
   the mask). A row with nothing to attend to gets what eager gives it.
+- **Eager attention's products.** transformers' ``eager_attention_forward`` (every model's
+  with ``attn_implementation="eager"``; DeepSeek-V4 takes no other) repeats the heads too, then
+  ``matmul(q, k.transpose(2, 3))`` and ``matmul(p, v)``: each becomes one product per key
+  head with its ``n`` query heads as rows (``q.reshape(-1, hk, n * l, d)``), the same dot
+  products without the copies — where the batch is the one dim that follows the tokens.
 """
+
 from __future__ import annotations
 
 import operator
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+MATMUL = (torch.matmul, operator.matmul)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # Data movement a repeat of the heads may be made of; the replay decides what it computes.
 _MOVES = {"expand", "reshape", "view", "contiguous", "unsqueeze", "repeat_interleave", "flatten", "clone"}
@@ -40,14 +48,18 @@ _CUDNN_FILL = -65504.0  # what sdpa fills a boolean mask's False with for cuDNN 
 
 @dataclass
 class AttentionRewrite:
-    node: str  # the attention call
+    node: str  # the attention call (sdpa) or product (matmul)
     grouped: int = 0  # its query heads per key head, read in place of a repeat (0: not rewritten)
     mask: str = ""  # the additive mask made of its boolean one (the node), if any
     copies_removed: int = 0  # eager launches of the repeats no longer run
+    matmul: bool = False  # a product of eager attention, its query heads regrouped by key head
 
     def line(self) -> str:
         done = []
-        if self.grouped:
+        if self.grouped and self.matmul:
+            done.append(f"reads the un-repeated heads, the query's {self.grouped} heads a key head as its rows: "
+                        f"{self.copies_removed} copies of the repeated heads removed")  # fmt: skip
+        elif self.grouped:
             done.append(f"keys and values read as grouped heads (enable_gqa, {self.grouped} query heads a key head): "
                         f"{self.copies_removed} copies of the repeated heads removed")  # fmt: skip
         if self.mask:
@@ -61,6 +73,9 @@ def rewrite_attention_calls(graph: fx.Graph, shadows: dict) -> list[AttentionRew
     traced, done = _Values(shadows), []
     additive: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in MATMUL:
+            done += [r for r in [_grouped_matmul(graph, traced, node)] if r is not None]
+            continue
         if node.op != "call_function" or node.target not in SDPA:
             continue
         args = _bound(node)
@@ -165,6 +180,63 @@ def _grouped(traced: _Values, args: dict, values: dict, eager: int) -> tuple | N
     if eager == _MATH or _backend(grouped) != eager:
         return None
     return (key, value), n, key_chain + value_chain
+
+
+def _grouped_matmul(graph: fx.Graph, traced: _Values, node: fx.Node) -> AttentionRewrite | None:
+    """``matmul(q, repeat(k).transpose(2, 3))`` or ``matmul(p, repeat(v))`` — eager attention's
+    two products, each head of ``q`` (``[b, hk * n, l, x]``) against its key head repeated —
+    as one product per key head over all its query heads: ``matmul(q.reshape(-1, hk, n * l, x),
+    k.transpose(2, 3)).reshape(-1, hk * n, l, s)``. The same dot products, without the copies;
+    only where the batch is the one dim that follows the tokens (the reshapes fix the others)."""
+    if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    a, b = node.args
+    if not all(_batch_first_4d(traced, n) for n in (a, node)):
+        return None
+    transposed = _transposes_last_two(b)
+    repeated = b.args[0] if transposed else b
+    found = _repeat_of(traced, repeated, traced.value(a).shape[1])
+    if found is None:
+        return None
+    source, n, chain = found
+    _, heads, rows, width = traced.value(a).shape
+    last = traced.value(node).shape[-1]
+    with graph.inserting_before(node):
+        grouped_a = graph.call_method("reshape", (a, -1, heads // n, n * rows, width))
+        grouped_b = graph.call_method("transpose", (source, 2, 3)) if transposed else source
+        product = graph.call_function(torch.matmul, (grouped_a, grouped_b))
+        out = graph.call_method("reshape", (product, -1, heads, rows, last))
+    made = {new: [] for new in (grouped_a, grouped_b, product, out) if new is not source}
+    for at in (0, 1):  # the new nodes' shadows, at both traced batch sizes
+        values = {a: traced.shadows[a.name][at], source: traced.shadows[source.name][at]}
+        values[grouped_a] = values[a].reshape(-1, heads // n, n * rows, width)
+        values[grouped_b] = values[source].transpose(2, 3) if transposed else values[source]
+        values[product] = torch.matmul(values[grouped_a], values[grouped_b])
+        values[out] = values[product].reshape(-1, heads, rows, last)
+        for new in made:
+            made[new].append(values[new])
+    for new, pair in made.items():
+        new.meta = dict(node.meta)
+        traced.shadows[new.name] = tuple(pair)
+    node.replace_all_uses_with(out)
+    name = node.name
+    graph.erase_node(node)
+    removed = _erase_unused(graph, traced.shadows, ([b] if transposed else []) + chain)
+    return AttentionRewrite(name, grouped=n, copies_removed=removed, matmul=True)
+
+
+def _batch_first_4d(traced: _Values, node: fx.Node) -> bool:
+    """A 4-d tensor whose dims after the first are the same at both traced batch sizes."""
+    pair = traced.shadows.get(node.name)
+    if pair is None or not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in pair):
+        return False
+    return pair[0].shape[1:] == pair[1].shape[1:]
+
+
+def _transposes_last_two(node: fx.Node) -> bool:
+    if node.op != "call_method" or node.target != "transpose" or len(node.args) != 3 or node.kwargs:
+        return False
+    return {d % 4 if isinstance(d, int) else d for d in node.args[1:]} == {2, 3}
 
 
 def _repeat_of(traced: _Values, node: fx.Node, query_heads: int) -> tuple | None:

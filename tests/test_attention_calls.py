@@ -117,6 +117,47 @@ def test_transformers_qwen3_attention_reads_its_cache_grouped():
     assert mismatch(got, want, "logits", LAYER) is None
 
 
+def test_transformers_eager_attention_reads_its_cache_grouped():
+    """transformers' eager attention as shipped (``eager_attention_forward``: ``repeat_kv``, then
+    two ``torch.matmul``), in a decode step of a whole Qwen3 model: each product reads the
+    un-repeated keys or values, a key head's query heads as its rows; the logits are eager's."""
+    model = causal_lm("qwen3", layers=2)
+    model.config._attn_implementation = "eager"
+    cache, tokens = prefilled(model)
+    eager_model, eager_cache, fused_cache = copy.deepcopy(model), copy.deepcopy(cache), copy.deepcopy(cache)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    lines = group.report.attention_calls
+    assert len(lines) == 2 and all("un-repeated heads" in line and "1 copies" in line for line in lines), lines
+    assert not [c for c in group.report.chains if c.pattern == "copy"]
+    with torch.no_grad():
+        got = model(**step(tokens, PROMPT, fused_cache)).logits
+        want = eager_model(**step(tokens, PROMPT, eager_cache)).logits
+    assert mismatch(got, want, "logits", LAYER) is None
+
+
+class EagerAttention(nn.Module):
+    num_key_value_groups = GROUP
+
+    def forward(self, q, k, v):
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward(self, q, k, v, None, scaling=0.25)[0]
+
+
+def test_eager_attention_with_the_tokens_past_the_first_dim_keeps_its_repeats():
+    """The regrouping reshapes fix every dim but the first: where the tokens are another dim
+    (one sequence, its tokens as the query rows), the products are left as they are."""
+    module = EagerAttention()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, KV_HEADS * GROUP, 5, DIM, generator=g)
+    k, v = (torch.randn(1, KV_HEADS, 5, DIM, generator=g) for _ in range(2))
+    traced = trace(module, (q, k, v), batch_inputs={"q": 2, "k": 2, "v": 2})
+    assert traced.attention_calls == []
+    grouped = trace(module, (q.transpose(0, 2).contiguous(), k.expand(5, -1, -1, -1).contiguous(), v.expand(5, -1, -1, -1).contiguous()))
+    assert [r.grouped for r in grouped.attention_calls] == [GROUP, GROUP]  # tokens first: rewritten
+
+
 class DecodeAttention(Attention):
     def forward(self, q, k, v, mask):
         return F.scaled_dot_product_attention(q * 2.0, self.repeat(k, q.shape[1] // k.shape[1]),
@@ -160,3 +201,31 @@ def test_on_the_gpu_any_backend_gives_what_eager_gives(dtype, dim, keys):
     expected = module(*example)
     fuser.apply(module, example)
     assert mismatch(module(*example), expected, f"{dtype}, dim {dim}, {keys} keys", LAYER) is None
+
+
+class MaskedEagerAttention(nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+    def forward(self, q, k, v, mask):
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward(self, q, k, v, mask, scaling=q.shape[-1] ** -0.5)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_on_the_gpu_eager_attention_products_are_regrouped_and_match_eager(dtype, tokens):
+    """DeepSeek-V4's attention shape (64 query heads over one key head of 512 dims) against a
+    cache of 352 slots, in transformers' eager attention: both products read the one key head,
+    and the result is eager's (an additive mask as transformers makes it, a row masked whole)."""
+    q, k, v, mask = decode_inputs(tokens, 64, 1, 512, 352, dtype)
+    additive = torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+    module, example = MaskedEagerAttention(64), (q, k, v, additive)
+    traced = trace(module, example)
+    assert [r.grouped for r in traced.attention_calls] == [64, 64]
+    expected = module(*example)
+    fuser.apply(module, example)
+    assert mismatch(module(*example), expected, f"{dtype}, {tokens} tokens", LAYER) is None
