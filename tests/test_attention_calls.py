@@ -1,7 +1,8 @@
 """fuser.attention_calls: sdpa calls read grouped key/value heads in place of their repeats, and
-take an additive mask made as glue in place of a boolean one — in transformers' own attention
-as shipped, and in hand-written spellings; a head order that is not a repeat in place is left
-alone. Fused against eager within the layer tolerance."""
+take an additive mask made as glue in place of a boolean one; eager attention's two products
+read the un-repeated keys and values — in transformers' own attention as shipped, and in
+hand-written spellings; a head order that is not a repeat in place, and a layout whose tokens
+are not the first dim, are left alone. Fused against eager within the layer tolerance."""
 
 import copy
 
@@ -22,9 +23,9 @@ KV_HEADS, GROUP, DIM, KEYS = 2, 3, 16, 7
 class Attention(nn.Module):
     """Queries of KV_HEADS * GROUP heads against KV_HEADS key heads, repeated as ``spell`` says."""
 
-    def __init__(self, spell: str, mask_kind: str = "bool"):
+    def __init__(self, spell: str):
         super().__init__()
-        self.spell, self.mask_kind = spell, mask_kind
+        self.spell = spell
 
     def repeat(self, x, n):
         b, h, s, d = x.shape
