@@ -1,9 +1,9 @@
 """copies: the copies PyTorch must make, run as fuser's copy kernel.
 
-A reshape of a view that no view fits copies (transformers' ``repeat_kv`` before attention:
-``k[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``, the whole KV cache at every
-decode step; a permuted einsum result flattened). No other glue shares its kernel: it sits
-between a leaf and the attention. Eager runs it as PyTorch's generic strided copy; fuser
+A reshape of a view that no view fits copies (a permuted einsum result flattened;
+transformers' ``repeat_kv``, ``k[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``,
+where the attention that reads it cannot take the un-repeated heads: see
+:mod:`fuser.attention_calls`). No other glue shares its kernel. Eager runs it as PyTorch's generic strided copy; fuser
 runs its own (``templates/strided_copy.py.jinja``), which knows the view's sizes, checked
 bit for bit against the eager copy at apply time. The launch count stays the same.
 """
