@@ -68,8 +68,10 @@ class AttentionRewrite:
 
 
 def rewrite_attention_calls(graph: fx.Graph, shadows: dict) -> list[AttentionRewrite]:
-    """Rewrite every sdpa call of the traced ``graph`` in place (``shadows``: node name ->
-    (value at T, value at T+1); new nodes get theirs); returns a record per call changed."""
+    """Rewrite every sdpa call and eager-attention product of the traced ``graph`` in place
+    (``shadows``: node name -> (value at T, value at T+1); new nodes get theirs); returns a
+    record per call changed. Size reads nothing uses must be gone already: each would keep a
+    repeat alive."""
     traced, done = _Values(shadows), []
     additive: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
@@ -159,7 +161,7 @@ def _additive_mask(graph: fx.Graph, traced: _Values, mask: fx.Node, fill: float,
         where = graph.call_function(torch.where, (mask, 0.0, fill))
         cast = graph.call_method("to", (where, dtype))
     traced.shadows[where.name] = tuple(torch.where(m, 0.0, fill) for m in traced.shadows[mask.name])
-    traced.shadows[cast.name] = tuple(_made_additive(m, fill, dtype) for m in traced.shadows[mask.name])
+    traced.shadows[cast.name] = tuple(w.to(dtype) for w in traced.shadows[where.name])
     return cast
 
 
@@ -290,9 +292,6 @@ def _erase_unused(graph: fx.Graph, shadows: dict, chain: list[fx.Node]) -> int:
     launches they cost (those that made a new tensor, not a view of their input)."""
     launches = 0
     for node in chain:
-        for user in list(node.users):  # a size read nothing uses (the trace drops them later)
-            if user.op == "call_method" and user.target == "size" and not user.users:
-                graph.erase_node(user)
         if not node.users:
             made, read = shadows[node.name][0], shadows[node.args[0].name][0]
             launches += made.untyped_storage().data_ptr() != read.untyped_storage().data_ptr()

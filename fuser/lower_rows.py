@@ -13,6 +13,7 @@ from fuser.lower_code import EXPRESSIONS, INDEX_DTYPES, LoweringError, expanded,
 from fuser.program import Operand
 from fuser.tiling import inserted_axes, pow2
 
+
 class RowGathers:
     """Methods of the row-program lowerer (:class:`fuser.lower.Lowerer`) for gathered rows."""
 

@@ -168,8 +168,9 @@ def trace(
             constants = _constants_taken_off(module, attributes)
     state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
     idioms.rewrite(graph, tracer.shadows, state)
-    attention = rewrite_attention_calls(graph, tracer.shadows)
     _drop_unused_size_reads(graph)
+    attention = rewrite_attention_calls(graph, tracer.shadows)
+    _drop_unused_size_reads(graph)  # and those of the repeats the rewrites removed
     return Traced(
         root=module,
         graph=graph,

@@ -24,7 +24,6 @@ from fuser.tolerance import least_precise, mismatch, near_tie_rows, rows_besides
 from fuser.trace import Traced, preserved_state
 
 
-
 class Recorded(dict):
     """Every node's eager value (``record_values``), and what in-place writes left in the
     tensors they wrote: ``written[target]`` lists (graph position, value after the write)."""

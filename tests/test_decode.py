@@ -9,10 +9,10 @@ import torch
 from transformers import StaticCache
 
 import fuser
-from fuser import kv_cache
 from fuser.splice import STATE_ATTR
 from fuser.tolerance import LAYER, mismatch
 from examples.zoo import layers as zoo
+from tests.test_kv_cache import Taken
 from tests.test_model import causal_lm
 
 BATCH, PROMPT, STEPS = 3, 6, 3
@@ -63,11 +63,9 @@ def test_greedy_decode_with_a_static_cache_matches_eager(name, monkeypatch):
     # step; DeepSeek-V4's sliding-window layers by transformers' own update.
     static = all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)
     assert ("fuser.kv_cache" in leaves[0]["reason"]) == static, leaves
-    kernel_writes = []
-    found = kv_cache._static_layer
-    monkeypatch.setattr(kv_cache, "_static_layer", lambda *a: kernel_writes.append(found(*a)) or kernel_writes[-1])
+    taken = Taken(monkeypatch)
     fused = greedy(model, fused_cache, tokens)
-    assert len([w for w in kernel_writes if w is not None]) == (2 * STEPS if static else 0)
+    assert taken.kernel == (2 * STEPS if static else 0)
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
@@ -180,10 +178,8 @@ def test_deepseek_v4_decodes_alike_from_plain_static_layers_and_the_kernel_write
     eager_model = copy.deepcopy(model)
     eager = greedy(eager_model, copy.deepcopy(cache), tokens)
     fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
-    writes = []
-    found = kv_cache._static_layer
-    monkeypatch.setattr(kv_cache, "_static_layer", lambda *a: writes.append(found(*a)) or writes[-1])
+    taken = Taken(monkeypatch)
     fused = greedy(model, cache, tokens)
-    assert len([w for w in writes if w is not None]) == 2 * STEPS
+    assert taken.kernel == 2 * STEPS
     for i, (a, b) in enumerate(zip(fused, eager)):
         assert mismatch(a, b, f"fused logits at step {i}", LAYER) is None
