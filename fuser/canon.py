@@ -180,6 +180,8 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
             return getattr(self, f"_{name}")(node)
         if name == "inverse_permutation":  # fuser.idioms: no template lowers it by itself
             return self._make(node, name, UNSUPPORTED, node.args[:1])
+        if node.op == "call_method" and name in _CAST_METHODS and _returns_itself(value, self.value(source)):
+            return self._make(node, "identity", COMPUTE, (source,))  # x.to(its own device), of any dtype
         if _integer_cast(node, value, self.value(source)):
             # no kernel computes integers yet; a cast like any other, so that the spellings of
             # one chain that cast to different dtypes per device compare (x.float() / x.int())
@@ -323,6 +325,10 @@ def _integer_cast(node: fx.Node, value, source) -> bool:
         and isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and not value.dtype.is_complex
         and value.dtype != torch.bool and value.dtype != source.dtype and value.device == source.device
     )  # fmt: skip
+
+
+def _returns_itself(value, source) -> bool:
+    return isinstance(value, torch.Tensor) and value is source
 
 
 def _part_index(result, which):

@@ -39,6 +39,9 @@ from fuser.program import TL_DTYPES, Operand, RowProgram, operand
 from fuser.tiling import find_tiling, launch_widths, pow2, tile_floor
 from fuser.trace import Traced
 
+#: The most elements a value of a chain with no token rows may have: one program holds it.
+ROWLESS_ELEMENTS = 1 << 16
+
 
 class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
     """Lowers one region: its nodes in graph order, each to lines of Triton over blocks in
@@ -92,11 +95,27 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
                 raise LoweringError(f"`{node.name}` is {value.dtype}; row programs take {list(TL_DTYPES)}")
         if len(rows) > 1:
             raise LoweringError(f"values with different token counts {sorted(rows)} in one chain")
-        if not rows:
-            raise LoweringError("no value in the chain follows the tokens (parameters only)")
+        self.rowless = not rows
+        if self.rowless:
+            self._check_rowless()
+            return
         for node in self.outputs:
             if not self.traced.batch_dims(node):
                 raise LoweringError(f"output `{node.name}` does not follow the tokens")
+
+    def _check_rowless(self):
+        """A chain where no value follows the tokens (a model's positions and causal mask, from
+        its cache's length) is one program over values of the sizes they were traced with; it
+        needs a tensor input, for the device, and blocks one program holds."""
+        if not any(isinstance(self.traced.value(n), torch.Tensor) for n in self.inputs):
+            raise LoweringError("no value in the chain follows the tokens, and it reads no tensor")
+        for node in self.inputs + self.nodes:
+            value = self.traced.value(node)
+            if isinstance(value, torch.Tensor) and value.numel() > ROWLESS_ELEMENTS:
+                raise LoweringError(
+                    f"no value in the chain follows the tokens, and `{node.name}` has {value.numel()} elements: "
+                    f"one program takes at most {ROWLESS_ELEMENTS}"
+                )
 
     def block_shape(self, node: fx.Node) -> tuple[int, ...]:
         value = self.traced.value(node)
@@ -254,7 +273,7 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             return self._store_segments(operand, node, value)
         shape = operand.shape
         rank = len(shape) + (1 if operand.complex else 0)
-        terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
+        terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
         for axis in range(len(shape)):
             terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
         mask = self.mask(node)
@@ -271,7 +290,7 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         """A concatenation along the last axis: each part stored at its column offset."""
         rank = len(operand.shape)
         for offset, part, width, dtype in segments.parts:
-            terms = [f"{operand.name}_ptr", f"row * {operand.name}_stride_row"]
+            terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
             for axis in range(rank - 1):
                 terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
             cols = expanded(f"tl.arange(0, {pow2(width)})", rank - 1, rank)
@@ -312,14 +331,28 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             return  # built inside the sum that reads it
         if args and args[0] in self.contracted:
             return self.reduce(node, cop)
-        if self.traced.value(node).dtype in INDEX_DTYPES and entry.integer:
+        if entry.integer and self._on_integers(node, args):
             operands = [self.names[a] if isinstance(a, fx.Node) else repr(a) for a in args]
-            return self.emit(node, ops.render(entry.integer, *operands), layout_only=True)
+            dtype = self.traced.value(node).dtype
+            return self.emit(node, ops.render(entry.integer, *operands), layout_only=dtype in INDEX_DTYPES)
         if op in EXPRESSIONS:
             self.helpers.update(entry.helpers)
             operands = [None if a is None else self.f32(a) for a in args]
             return self.emit(node, ops.render(EXPRESSIONS[op], *operands))
         return getattr(self, f"lower_{entry.lowering}")(node, cop)
+
+    def _on_integers(self, node: fx.Node, args) -> bool:
+        """Index arithmetic, computed in integers: an integer result, or a comparison of integer
+        tensors (positions past 2^24 compare exactly, as they would not in fp32)."""
+        if self.traced.value(node).dtype in INDEX_DTYPES:
+            return True
+        tensors = [a for a in args if isinstance(a, fx.Node)]
+        literals = [a for a in args if not isinstance(a, fx.Node)]
+        return (
+            self.traced.value(node).dtype == torch.bool and bool(tensors)
+            and all(self.dtypes.get(a) in INDEX_DTYPES for a in tensors)
+            and all(isinstance(a, int) and not isinstance(a, bool) for a in literals)
+        )  # fmt: skip
 
     def lower(self, block_last: int | None = None) -> RowProgram:
         """The region's row program; a tiled one with ``block_last`` elements of the tiled axis
@@ -329,8 +362,11 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         outs = [self._operand(n, name) for n, name in zip(self.outputs, names[len(self.inputs) :])]
         for op, node in zip(outs, self.outputs):
             op.into = node in self.in_place
-        if not any(op.has_rows and not op.broadcast_rows and op.row_group for op in ins):
-            raise LoweringError("no input of the chain follows the tokens: nothing gives its row count")
+        if not self.rowless and not any(op.has_rows and not op.broadcast_rows and op.row_group for op in ins):
+            # (An expand over the tokens of a value that does not follow them, the chain's last
+            # op, is the reason: the chain is fused without it, and it stays a view.)
+            spread = [n for n in self.outputs if self.cops[n].op == "expand" and self.traced.batch_dims(n)]
+            raise LoweringError("no input of the chain follows the tokens: nothing gives its row count", *spread[:1])
         for op in ins + outs:  # no local may be called as a kernel argument is
             self.taken.update([f"{op.name}_ptr", *op.stride_args])
         self.contracted = self._contractions()

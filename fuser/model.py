@@ -7,7 +7,9 @@ kernels and fused forward, bound to its own weights (the fused forward reads its
 the module it runs on), with the values it computes from parameters alone recomputed from its
 own, and is checked against its eager forward on its own recorded inputs. The model's other
 submodules that the forward calls (the final norm, the rotary embedding) are fused each on its
-own where that saves launches.
+own where that saves launches, and so is the forward of each module that holds a stack (its
+glue around the layers: the positions, the causal mask), with its layers and submodules as
+leaves.
 
 A structure that cannot be fused stays eager and is reported; the others are fused. A failure
 while installing restores every layer fused so far: the model is never left half-patched.
@@ -125,7 +127,9 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     layers = [(f"{name}.{i}", layer) for name, stack in stacks for i, layer in enumerate(stack)]
     others = _other_submodules(model, {n for n, _ in stacks})
-    calls = _record_calls(model, args, kwargs, [m for _, m in layers] + [m for _, m in others])
+    parents = _stack_parents(model, [n for n, _ in stacks])
+    watched = [m for _, m in layers] + [m for _, m in others] + [m for _, m in parents]
+    calls = _record_calls(model, args, kwargs, watched)
     if not all(_is_layer_call(calls.get(id(layer))) for _, layer in layers):
         return None  # a list of experts or the like, not a stack of layers: the module is fused whole
     if any(is_fused(m) for m in model.modules()):
@@ -137,6 +141,12 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
             report.groups += _fuse_group(group, calls, options, fused)
         for name, module in others:
             _fuse_other(name, module, calls.get(id(module)), options, report, fused)
+        batch = calls[id(layers[0][1])][0][0].shape[0]
+        for name, module in parents:  # its own forward, with its layers and submodules as leaves
+            call = calls.get(id(module))
+            own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
+                       batch_inputs=_following(module, call, batch))  # fmt: skip
+            _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused)
     except BaseException:
         for module in fused:
             restore_module(module)
@@ -217,6 +227,34 @@ def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.
                 continue
             found.append((qualified, child))
     return found
+
+
+def _stack_parents(model: nn.Module, stacks: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules that hold the layer stacks (transformers' ``Qwen3Model``), innermost first:
+    their own forwards run the model's glue around the layers (positions, the causal mask)."""
+    names = sorted({name.rpartition(".")[0] for name in stacks}, key=lambda n: -n.count(".") if n else 1)
+    return [(name, model.get_submodule(name) if name else model) for name in names]
+
+
+def _children_called(module: nn.Module) -> list[str]:
+    """Every submodule a parent's forward may call, as a leaf: its children, and the items of
+    its module lists (the layers)."""
+    names = []
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            names += [f"{name}.{key}" for key, _ in child.named_children()]
+        else:
+            names.append(name)
+    return names
+
+
+def _following(module: nn.Module, call, batch: int) -> dict[str, int]:
+    """A parent's tensor inputs that follow the batch: those with the layers' batch as dim 0."""
+    if call is None:
+        return {}
+    spec = CallSpec.of(module.forward, call[0], call[1])
+    tensors, _ = spec.flatten(call[0], call[1])
+    return {n: 0 for n, t in zip(spec.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
 
 
 # --- grouping and fusing ------------------------------------------------------------------------

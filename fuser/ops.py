@@ -195,12 +195,12 @@ _ENTRIES = [
     Op("maximum", POINTWISE, 2, "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
        spellings=("max_elementwise",), commutative=True),  # fmt: skip
     Op("minimum", POINTWISE, 2, "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)", commutative=True),
-    Op("eq", POINTWISE, 2, "{a} == {b}", commutative=True, result=BOOL_RESULT),
-    Op("ne", POINTWISE, 2, "{a} != {b}", commutative=True, result=BOOL_RESULT),
-    Op("lt", POINTWISE, 2, "{a} < {b}", result=BOOL_RESULT),
-    Op("le", POINTWISE, 2, "{a} <= {b}", result=BOOL_RESULT),
-    Op("gt", POINTWISE, 2, "{a} > {b}", result=BOOL_RESULT),
-    Op("ge", POINTWISE, 2, "{a} >= {b}", result=BOOL_RESULT),
+    Op("eq", POINTWISE, 2, "{a} == {b}", commutative=True, result=BOOL_RESULT, integer="{a} == {b}"),
+    Op("ne", POINTWISE, 2, "{a} != {b}", commutative=True, result=BOOL_RESULT, integer="{a} != {b}"),
+    Op("lt", POINTWISE, 2, "{a} < {b}", result=BOOL_RESULT, integer="{a} < {b}"),
+    Op("le", POINTWISE, 2, "{a} <= {b}", result=BOOL_RESULT, integer="{a} <= {b}"),
+    Op("gt", POINTWISE, 2, "{a} > {b}", result=BOOL_RESULT, integer="{a} > {b}"),
+    Op("ge", POINTWISE, 2, "{a} >= {b}", result=BOOL_RESULT, integer="{a} >= {b}"),
     Op("logical_and", POINTWISE, 2, "({a} != 0) & ({b} != 0)", spellings=("and_", "bitwise_and"),
        commutative=True, result=BOOL_RESULT),  # fmt: skip
     Op("logical_or", POINTWISE, 2, "({a} != 0) | ({b} != 0)", spellings=("or_", "bitwise_or"),

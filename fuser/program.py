@@ -73,19 +73,23 @@ class RowProgram:
 
 
 def row_source(inputs: list[Operand]) -> str:
-    """The input whose first dim gives the program count (the token count, or k times it)."""
-    return _row_input(inputs).name
+    """The input whose first dim gives the program count (the token count, or k times it), or
+    in a chain with no token rows the first input (the device of the outputs)."""
+    op = _row_input(inputs)
+    return (op or inputs[0]).name
 
 
 def row_count(inputs: list[Operand]) -> str:
-    """The launcher's expression for the number of programs."""
+    """The launcher's expression for the number of programs: 1 in a chain with no token rows."""
     op = _row_input(inputs)
+    if op is None:
+        return "1"
     return f"{op.name}.shape[0]" + (f" // {op.row_group}" if op.row_group > 1 else "")
 
 
-def _row_input(inputs: list[Operand]) -> Operand:
+def _row_input(inputs: list[Operand]) -> Operand | None:
     rowed = [op for op in inputs if op.has_rows and not op.broadcast_rows and op.row_group]
-    return min(rowed, key=lambda op: op.row_group)  # one row per program if any, else k
+    return min(rowed, key=lambda op: op.row_group) if rowed else None  # one row per program if any, else k
 
 
 def operand(traced: Traced, node: fx.Node, name: str) -> Operand:

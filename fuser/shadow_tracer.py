@@ -64,8 +64,10 @@ class ShadowTracer(fx.Tracer):
         leaf_names: Iterable[str] = (),
         leaf_types: Sequence[type] = (),
         leaf_functions: Sequence[Callable] = (),
+        counters: Iterable[tuple] = (),
     ):
         super().__init__(param_shapes_constant=True)
+        self.counters = set(counters)  # getters (state, path) the forward changes: leaves, never values
         self.leaf_functions = list(leaf_functions)  # patched where they are held: fuser.leaves
         self.noted: list[AutomaticLeaf] = []  # calls into compiled code, kept as one call each
         self.leaf_names = set(leaf_names)
@@ -77,7 +79,8 @@ class ShadowTracer(fx.Tracer):
         self._states: frozenset = frozenset()  # placeholders that are state (fuser.signature)
         # state placeholders and the objects read off them -> (state name, attribute path)
         self.state_paths: dict[fx.Node, tuple[str, tuple[str, ...]]] = {}
-        self.state_reads: dict[tuple[str, tuple[str, ...]], StateRead] = {}
+        self.state_reads: dict[tuple, StateRead] = {}
+        self._states_changed: set[str] = set()  # state given to a call that may change it
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
@@ -142,12 +145,12 @@ class ShadowTracer(fx.Tracer):
         state, path = self.state_paths[proxy.node]
         path = (*path, name)
         if read_as_value(value):
-            self.state_reads[state, path] = StateRead(state, path, value)
+            self.state_reads[state, path, None] = StateRead(state, path, value)
             return value
         read = self.create_proxy("call_function", builtins.getattr, (proxy, name), {})
         if isinstance(value, torch.Tensor):
             spec = (value.dtype, value.device, tuple(value.shape))
-            self.state_reads[state, path] = StateRead(state, path, spec, tensor=True)
+            self.state_reads[state, path, None] = StateRead(state, path, spec, tensor=True)
         else:
             self.state_paths[read.node] = (state, path)
         return read
@@ -174,7 +177,12 @@ class ShadowTracer(fx.Tracer):
             shadow = self._placeholder_values.get(target, (default, default))
             if target in self._states:
                 self.state_paths[proxy.node] = (target, ())
+        elif state is not None and (value := self._queried(kind, target, args, kwargs, state)) is not _NOT_A_QUERY:
+            self.graph.erase_node(proxy.node)
+            return value
         elif state is not None:
+            if not (kind == "call_method" and _is_getter(target)):
+                self._states_changed.add(state)
             # A call given state (``past_key_values.update(k, v, i)``) is a leaf. The state is
             # one object of the example's batch: the call runs once, and its result at T+1 is
             # its result at T grown where its tensor arguments grow. (An attribute read off it
@@ -190,6 +198,28 @@ class ShadowTracer(fx.Tracer):
         proxy.shadow = shadow
         self.shadows[proxy.node.name] = shadow
         return proxy
+
+    def _queried(self, kind, target, args, kwargs, state: str):
+        """The value of a getter of the state (``past_key_values.get_mask_sizes(1, 0)``: a
+        method named ``get_...``, called with constants) when it returns plain values (numbers,
+        flags, their tuples) and nothing in the forward may have changed the state before it: the
+        trace takes the value as it is, as it takes an attribute's (:meth:`read_state`), and the
+        guard calls the getter at every call instead of the fused forward. Else, and for a
+        getter of ``counters`` (one whose value the forward itself changes, a cache's length:
+        taken as it is, it would hold for one call only), ``_NOT_A_QUERY``: the call is a leaf."""
+        if kind != "call_method" or not _is_getter(target) or state in self._states_changed:
+            return _NOT_A_QUERY
+        if not _is_state_proxy(args[0], self.state_paths) or any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args[1:], kwargs))):
+            return _NOT_A_QUERY
+        value = self._eager(kind, target, args, kwargs, 0)
+        if not read_as_value(value):
+            return _NOT_A_QUERY
+        _, path = self.state_paths[args[0].node]
+        if (state, (*path, target)) in self.counters:
+            return _NOT_A_QUERY
+        read = StateRead(state, (*path, target), value, call=(tuple(args[1:]), dict(kwargs)))
+        self.state_reads[state, read.path, repr(read.call)] = read
+        return value
 
     def _state_taken(self, args, kwargs) -> str | None:
         """The name of the state placeholder among a call's arguments, if any."""
@@ -340,6 +370,13 @@ class _refuse_module_rebinding:
     def __exit__(self, *exc):
         torch.nn.Module.__setattr__ = self.original
         return False
+
+
+_NOT_A_QUERY = object()
+
+
+def _is_getter(method) -> bool:
+    return isinstance(method, str) and method.startswith("get_")
 
 
 def _is_state_proxy(a, state_paths) -> bool:

@@ -143,18 +143,24 @@ class CallSpec:
 
 @dataclass(frozen=True)
 class StateRead:
-    """An attribute of a state object that the traced code read (``forward_batch.forward_mode``)
-    and the trace took as it was: a value is baked in (the branch on it was taken once), a
-    tensor's shape is static in the graph. The guard compares it at every call; a call where it
-    differs runs the module's own forward."""
+    """An attribute of a state object that the traced code read (``forward_batch.forward_mode``),
+    or what a getter of it returned (``past_key_values.get_mask_sizes(1, 0)``), that the trace
+    took as it was: a value is baked in (the branch on it was taken once), a tensor's shape is
+    static in the graph. The guard compares it at every call; a call where it differs runs the
+    module's own forward."""
 
     state: str  # the state placeholder's name
     path: tuple[str, ...]  # attribute names from the state object
     value: Any  # the value read (compared: by_value), or for a tensor (dtype, device, shape)
     tensor: bool = False
+    call: tuple | None = None  # (args, kwargs): the path ends at a getter, called with them
 
     def label(self) -> str:
-        return ".".join((self.state, *self.path))
+        name = ".".join((self.state, *self.path))
+        if self.call is None:
+            return name
+        args, kwargs = self.call
+        return f"{name}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
 
     def shown(self) -> str:
         """The value as the report shows it: its repr, or a tensor's shape and dtype."""
@@ -167,6 +173,11 @@ class StateRead:
             now = getattr(now, name, _MISSING)
             if now is _MISSING:
                 return f"{self.label()} is missing"
+        if self.call is not None:
+            try:
+                now = now(*self.call[0], **self.call[1])
+            except Exception as e:  # noqa: BLE001 - the guard declines the call; eager will raise it
+                return f"{self.label()} raised {type(e).__name__}: {e}"
         if self.tensor:
             dtype, device, shape = self.value
             if not isinstance(now, torch.Tensor):

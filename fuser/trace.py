@@ -28,6 +28,8 @@ the file, line and reason; what the traced module's own forward cannot trace rai
 
 from __future__ import annotations
 
+import operator
+
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -146,19 +148,28 @@ def trace(
     leaves = list(leaves)
     functions = [x for x in leaves if callable(x) and not isinstance(x, type)] + opaque_functions()
     automatic: list[AutomaticLeaf] = []
+    counters: set[tuple] = set()
     attributes = set(vars(module)) if isinstance(module, torch.nn.Module) else set()
     while True:
         tracer = ShadowTracer(
             leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic if a.function is None],
             leaf_types=[x for x in leaves if isinstance(x, type)],
             leaf_functions=functions + [a.function for a in automatic if a.function is not None],
+            counters=counters,
         )
         # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
         # one trace at a time, so concurrent apply() calls never see each other's patches.
         try:
             with _TRACE_LOCK, preserved_state(module, tensors), torch.no_grad():
                 graph = tracer.trace_with_shadows(module, call, tensors, grown)
-            break
+            changed = _getters_changed(tracer.state_reads.values(), dict(zip(call.names, tensors)))
+            if not changed:
+                break
+            # A getter the forward changed (a length the forward moves on): traced again with it
+            # a leaf, on fresh copies of the state.
+            counters |= changed
+            tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
+            grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
         except Exception as e:  # noqa: BLE001 - untraceable code becomes a leaf: fuser.leaves
             leaf = leaf_after(e, automatic)
             if leaf is None:
@@ -168,9 +179,9 @@ def trace(
             constants = _constants_taken_off(module, attributes)
     state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
     idioms.rewrite(graph, tracer.shadows, state)
-    _drop_unused_size_reads(graph)
+    _drop_unused_reads(graph)
     attention = rewrite_attention_calls(graph, tracer.shadows)
-    _drop_unused_size_reads(graph)  # and those of the repeats the rewrites removed
+    _drop_unused_reads(graph)  # and those of the repeats the rewrites removed
     return Traced(
         root=module,
         graph=graph,
@@ -184,6 +195,12 @@ def trace(
         state_reads=list(tracer.state_reads.values()),
         attention_calls=attention,
     )
+
+
+def _getters_changed(reads: Iterable[StateRead], values: dict[str, Any]) -> set[tuple]:
+    """The getters read as values (:class:`StateRead` with a call) that give another value
+    after the traced forward ran on the state: (state, path) of each."""
+    return {(r.state, r.path) for r in reads if r.call is not None and r.differs(values[r.state]) is not None}
 
 
 def _constants_taken_off(module, attributes: set[str]) -> dict[str, Any]:
@@ -217,11 +234,19 @@ def _qualname(module) -> str:
     )
 
 
-def _drop_unused_size_reads(graph: fx.Graph) -> None:
-    """``x.shape`` asks every dim's size; the reads nobody used would count as uses of x."""
+def _drop_unused_reads(graph: fx.Graph) -> None:
+    """``x.shape`` asks every dim's size; the reads nobody used would count as uses of x. A
+    view, a part or a range nobody used (``torch.arange(n)[:, None]`` made for a branch not
+    taken) would cost launches of its own: they are dropped too."""
     for node in reversed(list(graph.nodes)):
-        if node.op == "call_method" and node.target in ("size", "numel", "dim") and not node.users:
+        if not node.users and _is_unused_read(node):
             graph.erase_node(node)
+
+
+def _is_unused_read(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("size", "numel", "dim")
+    return node.op == "call_function" and (node.target is operator.getitem or node.target is torch.arange)
 
 
 class preserved_state:
