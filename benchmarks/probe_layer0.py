@@ -2,12 +2,13 @@
 forward after fusing, on the H200: how far eager's own output moves when its input moves by
 bf16 rounding, against how far the fused layer is from it.
 
-    PYTHONPATH=. python benchmarks/probe_layer0.py
+    PYTHONPATH=. python benchmarks/probe_layer0.py [LAYERS]
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 
@@ -27,8 +28,14 @@ def run(layer, args, kwargs):
         return tensors_of((layer(*args, **kwargs),))[0]
 
 
-def main():
-    model = causal_lm("deepseek_v4_flash", layers=2, n_routed_experts=8)
+def per_token(a, b) -> list[float]:
+    """Each token's normwise distance of ``a`` from ``b``."""
+    a, b = a.float().flatten(1), b.float().flatten(1)
+    return [round(x, 4) for x in ((a - b).norm(dim=1) / b.norm(dim=1)).tolist()]
+
+
+def main(layers: int):
+    model = causal_lm("deepseek_v4_flash", layers=layers, n_routed_experts=8)
     print("hash layers:", getattr(model.config, "num_hash_layers", None), flush=True)
     cache, tokens = prefilled(model, 8)
     kwargs = step(model, tokens, copy.deepcopy(cache))
@@ -54,14 +61,16 @@ def main():
             out = run(layer, (noisy, *args[1:]), kw)
             err = ((out.float() - base.float()).norm() / base.float().norm()).item()
             print(f"  eager on its input moved by half a bf16 ulp ({which}, {moved:.0%} of elements moved): normwise {err:.4f}", flush=True)
+            print("    per token:", per_token(out, base), flush=True)
         fused_layer = sharing_weights(layer)
         p = plan(fused_layer, args, example_kwargs=kw, batch_inputs=_batch_inputs(layer, args, kw))
         install(fused_layer, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals)
         got = run(fused_layer, args, kw)
         err = ((got.float() - base.float()).norm() / base.float().norm()).item()
         print(f"  fused vs eager: normwise {err:.4f};", mismatch(got, base, "fused", LAYER), flush=True)
+        print("    per token:", per_token(got, base), flush=True)
         restore(fused_layer)
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
