@@ -244,3 +244,88 @@ def test_near_ties_of_a_router_are_the_tokens_whose_kth_and_next_scores_meet():
         router = layer.mlp.gate.weight
         router[:] = router[0]
     assert fuser.model._near_ties(layer, p, flat, rows) == set(range(rows))
+
+
+class Switch(torch.nn.Module):
+    """A choice inside a leaf (an attention's top-k of positions): a token whose hidden states
+    average exactly 1 is scaled tenfold. Rounded otherwise, its input leaves that point."""
+
+    def forward(self, h):
+        return torch.where(h.float().mean(-1, keepdim=True) == 1.0, h * 10, h)
+
+
+fuser.opaque(Switch)
+
+
+class Switched(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(32, dtype=torch.bfloat16))
+        self.switch = Switch()
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+        return self.switch(h) + x
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Switched(), Switched()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def switched_inputs() -> torch.Tensor:
+    """Six tokens; token 2's hidden states are all 1 (its norm keeps them 1: the switch's
+    point), the others random."""
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[2] = 1.0
+    return x
+
+
+def test_tokens_where_eager_is_not_settled_by_its_input_are_those_a_rounding_moves():
+    model = Stack()
+    x = switched_inputs()
+    layer = model.layers[0]
+    call = fuser.model._record_calls(model, (x,), {}, [layer])[id(layer)]
+    assert fuser.model._unsettled(layer, call, call[2]) == {2}
+    x[2] = x[3]  # off the switch's point: settled
+    call = fuser.model._record_calls(model, (x,), {}, [layer])[id(layer)]
+    assert fuser.model._unsettled(layer, call, call[2]) == set()
+
+
+@pytest.mark.parametrize("token, settled", [(2, False), (4, True)])
+def test_a_disagreement_where_eager_is_not_settled_by_its_input_is_left_out_of_the_check(monkeypatch, token, settled):
+    """The fused layer made to give, at one token, what eager gives with its input rounded
+    otherwise (the switch not taken): at the unsettled token 2 the layer is checked without it
+    and fused, reported; at a settled token it stays eager."""
+    install = fuser.model._install
+
+    def switching_otherwise(layer, *args, **kwargs):
+        install(layer, *args, **kwargs)
+        fused = layer.__dict__["forward"]
+
+        def forward(x):
+            out = fused(x).clone()
+            out[token] = out[token] / 10 if token == 2 else out[token] * 10
+            return out
+
+        layer.__dict__["forward"] = forward
+
+    monkeypatch.setattr(fuser.model, "_install", switching_otherwise)
+    model = Stack()
+    report = fuser.apply(model, (switched_inputs(),))
+    try:
+        (group,) = [g for g in report.groups if "layers.0" in g.layers]
+        if settled:
+            assert group.report is None and "disagreed with eager" in group.eager, report.text()
+        else:
+            # (token 2 leaves layer 0 as 11s, which layer 1's norm makes 1s again: its switch's point too)
+            assert group.report is not None and group.near_ties == {"layers.0": [2], "layers.1": [2]}, report.text()
+            assert "checked against eager without tokens [2] of layers.0" in report.text()
+    finally:
+        fuser.restore(model)
