@@ -355,11 +355,13 @@ def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fu
 
 def _disagrees(layer: nn.Module, call, p: Plan) -> tuple[str | None, list[int]]:
     """The fused layer against its own eager forward on the inputs it was called with (which
-    its guard must take: else the fused forward would never run on them). Tokens whose top-k
-    choice (a MoE router's) is a near tie in eager's own scores are left out of the comparison:
-    a last-bit difference may pick another expert there, and either pick is right. So are
-    tokens where the fused output disagrees and eager's own moves as far with its input rounded
-    otherwise (:func:`_unsettled`)."""
+    its guard must take: else the fused forward would never run on them). Tokens where the two
+    disagree are left out of the comparison when eager's own result there is not settled by
+    its input, and either result is right: a top-k choice (a MoE router's) that is a near tie
+    in eager's own scores, where a last-bit difference picks another expert; or a choice
+    inside a leaf (an attention's top-k of positions), where eager's output moves as far with
+    its input rounded otherwise (:func:`_unsettled`). Returns the problem, or None and the
+    tokens left out."""
     args, kwargs, expected = call
     inputs, refused = layer.__dict__[STATE_ATTR].guard.check(args, kwargs)
     if refused:
@@ -373,21 +375,14 @@ def _disagrees(layer: nn.Module, call, p: Plan) -> tuple[str | None, list[int]]:
     problem = mismatch(got[0], expected, "the layer's output", LAYER)
     if problem is None or not got[0].dim():
         return problem, []
-    tied = sorted(_near_ties(layer, p, inputs, rows=expected.shape[0]))
-    kept = rows_besides_ties(set(tied), expected.shape[0])
-    if kept is not None:
-        problem = mismatch(got[0][kept], expected[kept], f"the layer's output without tokens {tied}", LAYER)
-    if problem is None:
-        return None, tied
-    # A choice inside a leaf (an attention's top-k of positions) may be just as close: there
-    # eager's own output moves as far when its input is rounded otherwise. Those tokens, where
-    # the fused output disagrees, are left out too.
-    unsettled = _unsettled(layer, call, expected) & _disagreeing(got[0], expected)
-    tied = sorted(set(tied) | unsettled)
-    kept = rows_besides_ties(set(tied), expected.shape[0])
-    if kept is None or not unsettled:
+    disagreeing = _disagreeing(got[0], expected)
+    tied = disagreeing & _near_ties(layer, p, inputs, rows=expected.shape[0])
+    if disagreeing - tied:
+        tied |= disagreeing & _unsettled(layer, call, expected)
+    kept = rows_besides_ties(tied, expected.shape[0])
+    if kept is None:
         return problem, []
-    return mismatch(got[0][kept], expected[kept], f"the layer's output without tokens {tied}", LAYER), tied
+    return mismatch(got[0][kept], expected[kept], f"the layer's output without tokens {sorted(tied)}", LAYER), sorted(tied)
 
 
 #: Draws of :func:`_unsettled`: the input rounded otherwise this many ways.
