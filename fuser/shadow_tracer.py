@@ -181,8 +181,8 @@ class ShadowTracer(fx.Tracer):
             self.graph.erase_node(proxy.node)
             return value
         elif state is not None:
-            if not (kind == "call_method" and _is_getter(target)):
-                self._states_changed.add(state)
+            if target is not builtins.getattr and not (kind == "call_method" and _is_getter(target)):
+                self._states_changed.add(state)  # (an attribute read or a getter changes nothing)
             # A call given state (``past_key_values.update(k, v, i)``) is a leaf. The state is
             # one object of the example's batch: the call runs once, and its result at T+1 is
             # its result at T grown where its tensor arguments grow. (An attribute read off it

@@ -29,7 +29,6 @@ the file, line and reason; what the traced module's own forward cannot trace rai
 from __future__ import annotations
 
 import operator
-
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence

@@ -151,3 +151,21 @@ def test_a_causal_lm_s_own_forward_is_fused_around_its_layers():
     finally:
         fuser.restore(model)
     assert not any(is_fused(m) for m in model.modules())
+
+
+class SizedAfterWrite(nn.Module):
+    """Asks the cache's sizes after writing it: the write may have changed them."""
+
+    def forward(self, x, cache):
+        length = cache.length  # an attribute read changes nothing
+        write(x, cache)
+        size, _ = cache.get_mask_sizes()
+        return x * size + length
+
+
+def test_a_getter_after_a_call_that_may_change_the_state_stays_a_call():
+    traced = trace(SizedAfterWrite(), (torch.randn(5, H), Cache(size=8, length=3)))
+    assert not [r for r in traced.state_reads if r.call is not None], traced.state_reads
+    assert "get_mask_sizes" in [n.target for n in traced.graph.nodes], traced.graph
+    traced = trace(Model(), (torch.randn(5, H), Cache(size=8, length=3)))  # read before: a value
+    assert [r.label() for r in traced.state_reads if r.call is not None] == ["cache.get_mask_sizes()"]
