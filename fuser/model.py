@@ -9,7 +9,8 @@ own, and is checked against its eager forward on its own recorded inputs. The mo
 submodules that the forward calls (the final norm, the rotary embedding) are fused each on its
 own where that saves launches, and so is the forward of each module that holds a stack (its
 glue around the layers: the positions, the causal mask), with its layers and submodules as
-leaves.
+leaves; within each forward of that module, a kernel of the layers' inputs alone runs once
+for all the layers given the same inputs (:mod:`fuser.shared`).
 
 A structure that cannot be fused stays eager and is reported; the others are fused. A failure
 while installing restores every layer fused so far: the model is never left half-patched.
@@ -31,6 +32,7 @@ from fuser.report import Report
 from fuser.signature import CallSpec, is_state, with_state_copied
 from fuser.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
 from fuser.rewrite import compile_forward
+from fuser.shared import share_within, unshare
 from fuser.splice import STATE_ATTR, install, is_fused, read_attributes
 from fuser.splice import restore as restore_module
 from fuser.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
@@ -150,7 +152,10 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
             own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
                        batch_inputs=_following(module, call, batch))  # fmt: skip
             _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused)
+            share_within(module)
     except BaseException:
+        for _, module in parents:
+            unshare(module)
         for module in fused:
             restore_module(module)
         raise
@@ -162,6 +167,7 @@ def restore(module: nn.Module) -> None:
     """Undo :func:`fuser.apply`, on one module or on a model fused layer by layer."""
     if module.__dict__.pop(MODEL_ATTR, None) is not None:
         for sub in module.modules():
+            unshare(sub)
             if is_fused(sub):
                 restore_module(sub)
         return

@@ -25,6 +25,7 @@ from fuser.pattern_files import load_patterns
 from fuser.regions import fusible
 from fuser.report import FusedChain, Report, Unfused
 from fuser.rewrite import compile_forward, rewrite_graph
+from fuser.shared import once_per_forward, shareable
 from fuser.splice import AlreadyFused, Guard, Precomputed, install, is_fused, module_lock, precomputation
 from fuser.signature import CallSpec
 from fuser.trace import Traced, batch_dims_of, preserved_state, trace
@@ -80,9 +81,9 @@ def plan(
     constants = _parameter_only(traced, cops, covered) if precompute else {}
     copies, kept = copy_kernels(traced, cops, {n for n in cops if n not in covered and n not in constants})
     failed.update(kept)
-    graph, survivors = rewrite_graph(
-        traced.graph, cops, regions, {i: k.launch for i, k in enumerate(kernels)}, {n: a for n, (a, _) in constants.items()}
-    )
+    shared = [k for k in kernels if shareable(k.region, cops)]
+    launchers = {i: once_per_forward(k.launch) if k in shared else k.launch for i, k in enumerate(kernels)}
+    graph, survivors = rewrite_graph(traced.graph, cops, regions, launchers, {n: a for n, (a, _) in constants.items()})
     install_copies(graph, copies)
     cache_writes = write_in_one_kernel(graph, traced)
     forward = compile_forward(graph, module)
@@ -93,6 +94,7 @@ def plan(
     report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
     report.attention_calls = [r.line() for r in traced.attention_calls]
+    report.shared = [k.path.stem for k in shared]
     report.launches_before += sum(r.copies_removed for r in traced.attention_calls)  # eager still makes them
     for leaf in report.automatic_leaves:
         if leaf["name"] in cache_writes:

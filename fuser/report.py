@@ -51,6 +51,7 @@ class Report:
     state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
+    shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
     launches_before: int = 0
@@ -87,6 +88,9 @@ class Report:
         if self.attention_calls:
             lines += ["", f"attention calls given their arguments as they were made (fuser.attention_calls) ({len(self.attention_calls)}):"]
             lines += [f"  {line}" for line in self.attention_calls]
+        if self.shared:
+            lines += ["", "kernels of the call's inputs alone, run once per forward of the model for the layers given "
+                      f"the same inputs (fuser.shared): {', '.join(self.shared)}"]
         if self.precomputed:
             lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
         if self.literals:
