@@ -76,6 +76,8 @@ class ModelReport:
 
     def _total(self, what: str) -> int:
         layers = sum(getattr(g.report, what) * len(g.layers) for g in self.groups if g.report)
+        if what == "launches_after":  # a kernel of the layers' inputs alone: once for the group
+            layers -= sum(len(g.report.shared) * (len(g.layers) - 1) for g in self.groups if g.report)
         return layers + sum(getattr(r, what) for r in self.others.values())
 
     @property

@@ -62,6 +62,7 @@ def test_a_kernel_of_the_layers_inputs_alone_runs_once_per_forward_of_the_model(
     try:
         (group,) = report.groups
         assert len(group.report.shared) == 1, report.text()
+        assert report.launches_after == 3 * group.report.launches_after - 2  # the shared kernel once
         assert "run once per forward of the model" in report.text()
         x, memory, mask = inputs(1)
         with torch.no_grad():
