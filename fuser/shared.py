@@ -6,11 +6,11 @@ it (transformers' sdpa path: the boolean mask made additive, :mod:`fuser.attenti
 one launch a layer, all alike. Where a kernel's every input is an input of the layer's call and
 what it makes is only read (by other kernels and by PyTorch's own functions: no leaf, no
 in-place op, not returned), its launcher is wrapped (:func:`once_per_forward`): inside a
-forward of the model's module that holds the layers (:func:`share_within`), a launch with
-the very same tensors (the same objects, not written since: their version counters unchanged)
-and the same other arguments gives the outputs of the first. The memo holds the tensors it was
-keyed on, so no other tensor takes their identities while it lives, and it is dropped when
-that forward returns. Outside such a forward every launch runs.
+forward of the model's module that holds the layers (:func:`share_within`), a launch on the
+very same tensors (the same memory, sizes and strides, not written since: their version
+counters unchanged) and the same other arguments gives the outputs of the first. The memo holds
+the tensors it was keyed on, so no other tensor takes their memory while it lives, and it is
+dropped when that forward returns. Outside such a forward every launch runs.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def once_per_forward(launch: Callable) -> Callable:
             return _run(launch, args)
         found = memo.get(key)
         if found is None:
-            found = memo[key] = (args, _run(launch, args))  # the args held: their ids stay theirs
+            found = memo[key] = (args, _run(launch, args))  # the args held: their memory stays theirs
         return found[1]
 
     return shared
