@@ -7,10 +7,10 @@ kernels and fused forward, bound to its own weights (the fused forward reads its
 the module it runs on), with the values it computes from parameters alone recomputed from its
 own, and is checked against its eager forward on its own recorded inputs. The model's other
 submodules that the forward calls (the final norm, the rotary embedding) are fused each on its
-own where that saves launches, and so is the forward of each module that holds a stack (its
-glue around the layers: the positions, the causal mask), with its layers and submodules as
-leaves; within each forward of that module, a kernel of the layers' inputs alone runs once
-for all the layers given the same inputs (:mod:`fuser.shared`).
+own where that saves launches, and so is the forward of each module that holds a stack and
+of each above it (the glue around the layers: the positions, the causal mask, the LM head's),
+with its submodules as leaves; within each forward of those modules, a kernel of the layers'
+inputs alone runs once for all the layers given the same inputs (:mod:`fuser.shared`).
 
 A structure that cannot be fused stays eager and is reported; the others are fused. A failure
 while installing restores every layer fused so far: the model is never left half-patched.
@@ -241,10 +241,16 @@ def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.
 
 
 def _stack_parents(model: nn.Module, stacks: list[str]) -> list[tuple[str, nn.Module]]:
-    """The modules that hold the layer stacks (transformers' ``Qwen3Model``), innermost first:
-    their own forwards run the model's glue around the layers (positions, the causal mask)."""
-    names = sorted({name.rpartition(".")[0] for name in stacks}, key=lambda n: -n.count(".") if n else 1)
-    return [(name, model.get_submodule(name) if name else model) for name in names]
+    """The modules that hold the layer stacks (transformers' ``Qwen3Model``) and those above
+    them up to the model (its ``Qwen3ForCausalLM``), innermost first: their own forwards run the
+    model's glue around the layers (the positions and the causal mask; the LM head's logit
+    soft-capping)."""
+    names = set()
+    for stack in stacks:
+        parts = stack.split(".")[:-1]
+        names |= {".".join(parts[:i]) for i in range(len(parts) + 1)}
+    ordered = sorted(names, key=lambda n: -(n.count(".") + 1) if n else 1)
+    return [(name, model.get_submodule(name) if name else model) for name in ordered]
 
 
 def _children_called(module: nn.Module) -> list[str]:

@@ -8,6 +8,7 @@ switch or a traced value assigned to a module attribute is refused.
 from __future__ import annotations
 
 import builtins
+import copy
 import dataclasses
 import sys
 import threading
@@ -405,6 +406,13 @@ def _grown_like(value: Any, args, kwargs) -> Any:
                 v = _grow_batch(v, d)
         return v
 
+    if isinstance(value, dict) and type(value) is not dict:
+        # A dict of its own class (transformers' ModelOutput, read by attribute): kept so
+        # (fx's map_aggregate would give a plain immutable dict).
+        grown = copy.copy(value)
+        for key, item in value.items():
+            grown[key] = map_aggregate(item, grow)
+        return grown
     return map_aggregate(value, grow) if isinstance(value, (tuple, list, dict, torch.Tensor)) else value
 
 

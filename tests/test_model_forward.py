@@ -169,3 +169,42 @@ def test_a_getter_after_a_call_that_may_change_the_state_stays_a_call():
     assert "get_mask_sizes" in [n.target for n in traced.graph.nodes], traced.graph
     traced = trace(Model(), (torch.randn(5, H), Cache(size=8, length=3)))  # read before: a value
     assert [r.label() for r in traced.state_reads if r.call is not None] == ["cache.get_mask_sizes()"]
+
+
+def test_the_lm_head_s_glue_in_the_causal_lm_s_own_forward_is_fused():
+    """transformers' Gemma2ForCausalLM soft-caps its logits in its own forward (``logits /
+    cap``, ``tanh``, ``* cap``): that forward is planned too, with its model and LM head as
+    leaves, and the logits stay eager's."""
+    import transformers
+    from transformers import StaticCache
+
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, final_logit_softcapping=30.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    expected_model = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(1))
+    cache = StaticCache(config=config, max_cache_len=12)
+    with torch.no_grad():
+        tokens = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def step(cache, position, tokens):
+        return dict(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
+
+    report = fuser.apply(model, (), example_kwargs=step(copy.deepcopy(cache), 5, tokens))
+    try:
+        top = report.others["Gemma2ForCausalLM.forward"]
+        assert [c for c in top.chains if {"tanh", "mul"} <= {n.rstrip("_0123456789") for n in c.nodes}], report.text()
+        assert is_fused(model)
+        expected_cache = copy.deepcopy(cache)
+        for i in range(2):
+            with torch.no_grad():
+                got = model(**step(cache, 5 + i, tokens)).logits
+                expected = expected_model(**step(expected_cache, 5 + i, tokens)).logits
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            tokens = expected[:, -1:].argmax(-1)
+    finally:
+        fuser.restore(model)
+    assert not any(is_fused(m) for m in model.modules())
