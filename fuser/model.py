@@ -152,7 +152,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
         for name, module in parents:  # its own forward, with its layers and submodules as leaves
             call = calls.get(id(module))
             own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
-                       batch_inputs=_following(module, call, batch))  # fmt: skip
+                       batch_inputs=_batch_inputs(module, *call[:2], batch=batch) if call else {})  # fmt: skip
             _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused)
             share_within(module)
     except BaseException:
@@ -263,15 +263,6 @@ def _children_called(module: nn.Module) -> list[str]:
         else:
             names.append(name)
     return names
-
-
-def _following(module: nn.Module, call, batch: int) -> dict[str, int]:
-    """A parent's tensor inputs that follow the batch: those with the layers' batch as dim 0."""
-    if call is None:
-        return {}
-    spec = CallSpec.of(module.forward, call[0], call[1])
-    tensors, _ = spec.flatten(call[0], call[1])
-    return {n: 0 for n, t in zip(spec.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
 
 
 # --- grouping and fusing ------------------------------------------------------------------------
@@ -454,12 +445,13 @@ def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
     return tied
 
 
-def _batch_inputs(layer: nn.Module, args, kwargs) -> dict[str, int]:
+def _batch_inputs(layer: nn.Module, args, kwargs, batch: int | None = None) -> dict[str, int]:
     """The layer's tensor inputs that follow the batch of its hidden states (dim 0 of the same
-    size); the rest (rotary tables of one position for all sequences) are the same for all."""
+    size; or of ``batch``, for a module above the layers: the layers' batch); the rest (rotary
+    tables of one position for all sequences) are the same for all."""
     call = CallSpec.of(layer.forward, args, kwargs)
     tensors, _ = call.flatten(args, kwargs)
-    batch = args[0].shape[0]
+    batch = args[0].shape[0] if batch is None else batch
     return {n: 0 for n, t in zip(call.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
 
 

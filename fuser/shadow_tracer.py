@@ -212,11 +212,11 @@ class ShadowTracer(fx.Tracer):
             return _NOT_A_QUERY
         if not _is_state_proxy(args[0], self.state_paths) or any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args[1:], kwargs))):
             return _NOT_A_QUERY
-        value = self._eager(kind, target, args, kwargs, 0)
-        if not read_as_value(value):
-            return _NOT_A_QUERY
         _, path = self.state_paths[args[0].node]
         if (state, (*path, target)) in self.counters:
+            return _NOT_A_QUERY
+        value = self._eager(kind, target, args, kwargs, 0)
+        if not read_as_value(value):
             return _NOT_A_QUERY
         read = StateRead(state, (*path, target), value, call=(tuple(args[1:]), dict(kwargs)))
         self.state_reads[state, read.path, repr(read.call)] = read
