@@ -178,6 +178,8 @@ def test_the_lm_head_s_glue_in_the_causal_lm_s_own_forward_is_fused():
     import transformers
     from transformers import StaticCache
 
+    from tests.test_decode import step
+
     config = transformers.Gemma2Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=16, max_position_embeddings=64, final_logit_softcapping=30.0,
@@ -189,11 +191,7 @@ def test_the_lm_head_s_glue_in_the_causal_lm_s_own_forward_is_fused():
     cache = StaticCache(config=config, max_cache_len=12)
     with torch.no_grad():
         tokens = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-    def step(cache, position, tokens):
-        return dict(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
-
-    report = fuser.apply(model, (), example_kwargs=step(copy.deepcopy(cache), 5, tokens))
+    report = fuser.apply(model, (), example_kwargs=step(tokens, 5, copy.deepcopy(cache)))
     try:
         top = report.others["Gemma2ForCausalLM.forward"]
         assert [c for c in top.chains if {"tanh", "mul"} <= {n.rstrip("_0123456789") for n in c.nodes}], report.text()
@@ -201,8 +199,8 @@ def test_the_lm_head_s_glue_in_the_causal_lm_s_own_forward_is_fused():
         expected_cache = copy.deepcopy(cache)
         for i in range(2):
             with torch.no_grad():
-                got = model(**step(cache, 5 + i, tokens)).logits
-                expected = expected_model(**step(expected_cache, 5 + i, tokens)).logits
+                got = model(**step(tokens, 5 + i, cache)).logits
+                expected = expected_model(**step(tokens, 5 + i, expected_cache)).logits
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
             tokens = expected[:, -1:].argmax(-1)
     finally:
