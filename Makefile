@@ -19,10 +19,10 @@ $(VENV)/.installed-demo: pyproject.toml Makefile
 	touch $@
 
 # sglang 0.5.23 itself with --no-deps (it pins a CUDA torch), then what its imports need.
-$(VENV)/.installed-test: $(VENV)/.installed-demo tests/sglang_env/requirements.txt
+$(VENV)/.installed-test: $(VENV)/.installed-demo tests/serving/sglang_env/requirements.txt
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps sglang==0.5.23 apache-tvm-ffi==0.1.11
-	$(PIP) -r tests/sglang_env/requirements.txt
+	$(PIP) -r tests/serving/sglang_env/requirements.txt
 	touch $@
 
 demo: $(VENV)/.installed-demo

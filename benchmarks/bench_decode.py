@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import fuser  # noqa: E402
 from examples.zoo import layers as zoo  # noqa: E402
-from fuser import bench  # noqa: E402
-from fuser.capture import capture_decode, replay_time_us  # noqa: E402
-from fuser.emit import kernel_dir  # noqa: E402
+from fuser.tools import bench  # noqa: E402
+from fuser.tools.capture import capture_decode, replay_time_us  # noqa: E402
+from fuser.codegen.emit import kernel_dir  # noqa: E402
 
 OUT = ROOT / "benchmarks/results"
 PREFIX = 256

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from examples.dsv4 import layer as dsv4  # noqa: E402
-from fuser import bench  # noqa: E402
+from fuser.tools import bench  # noqa: E402
 
 GPU_TESTS = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
 

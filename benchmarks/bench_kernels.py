@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fuser  # noqa: E402
-from fuser import bench  # noqa: E402
-from fuser.tune import time_launches_us  # noqa: E402
+from fuser.tools import bench  # noqa: E402
+from fuser.tools.tune import time_launches_us  # noqa: E402
 
 CALLS = 100
 HIDDEN, INTERMEDIATE = 4096, 14336

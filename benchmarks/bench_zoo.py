@@ -3,7 +3,7 @@ fuser, each replayed in a CUDA graph, the same leaves in every variant.
 
     PYTHONPATH=. python benchmarks/bench_zoo.py [--layers qwen3_proj,gpt_oss] [--tokens 1,8,128,512]
 
-Writes benchmarks/results/zoo/<layer>.{json,md} per layer (``fuser.bench``) and, over every
+Writes benchmarks/results/zoo/<layer>.{json,md} per layer (``fuser.tools.bench``) and, over every
 layer measured so far, benchmarks/results/zoo.{json,md}: glue launches, glue µs and whole-layer
 µs per variant, and fuser's glue time over torch.compile's. ``python benchmarks/plot.py
 benchmarks/results/zoo/<layer>.json`` draws one layer.
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from examples.zoo import layers as zoo  # noqa: E402
-from fuser import bench  # noqa: E402
+from fuser.tools import bench  # noqa: E402
 
 OUT = ROOT / "benchmarks/results"
 # The target: fuser's glue time over torch.compile's, per layer kind.

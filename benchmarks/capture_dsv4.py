@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from examples.dsv4 import layer as dsv4  # noqa: E402
 from examples.dsv4.compare import compare_routed, run_with_expert_ids  # noqa: E402
-from fuser.bench import mark_leaves, stamp  # noqa: E402
-from fuser.capture import SGLANG_BATCH_SIZES, capture_decode  # noqa: E402
+from fuser.tools.bench import mark_leaves, stamp  # noqa: E402
+from fuser.tools.capture import SGLANG_BATCH_SIZES, capture_decode  # noqa: E402
 
 COMPILE_SIZES = [64, 8, 1]
 

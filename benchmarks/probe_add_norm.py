@@ -146,7 +146,7 @@ def main():
     args = parser.parse_args()
     import fuser
     from bench_kernels import AddNorm
-    from fuser.tune import time_launches_us
+    from fuser.tools.tune import time_launches_us
 
     results = {}
     for T in (int(t) for t in args.tokens.split(",")):

@@ -14,12 +14,12 @@ import torch
 
 import fuser
 from benchmarks.bench_decode import causal_lm, prefilled, sharing_weights, step
-from fuser.model import _batch_inputs, _record_calls
-from fuser.pipeline import plan, tensors_of
-from fuser.signature import with_state_copied
-from fuser.splice import install, restore
-from fuser.tolerance import LAYER, mismatch
-from fuser.trace import preserved_state
+from fuser.model.fuse_model import _batch_inputs, _record_calls
+from fuser.pipeline.fuse_module import plan, tensors_of
+from fuser.trace.call_spec import with_state_copied
+from fuser.install.splice import install, restore
+from fuser.validate.tolerance import LAYER, mismatch
+from fuser.trace.tracing import preserved_state
 
 
 def run(layer, args, kwargs):

@@ -4,7 +4,7 @@ launcher chooses, at each token count.
 
     PYTHONPATH=. python benchmarks/probe_tiles.py --layers gpt_oss_proj [--tokens 1,8,128,512] [--out FILE]
 
-A measurement for choosing the tile (``fuser.tiling.launch_widths``, ``launch_width``), not a
+A measurement for choosing the tile (``fuser.lower.tiling.launch_widths``, ``launch_width``), not a
 benchmark of fuser: kernels are timed as ``fuser tune`` times them (a CUDA graph of
 back-to-back launches), each width at the warps its launcher gives it. Writes JSON: per kernel,
 its ops, its widths, and µs per (width, T), "auto" for the launcher's own choice.
@@ -22,9 +22,9 @@ from examples.zoo import layers as zoo  # noqa: E402
 
 
 def probe(name: str, tokens: tuple[int, ...]) -> list[dict]:
-    from fuser.pipeline import plan
-    from fuser.validation import record_values, store_targets
-    from fuser.tune import _rows, time_launches_us
+    from fuser.pipeline.fuse_module import plan
+    from fuser.validate.against_eager import record_values, store_targets
+    from fuser.tools.tune import _rows, time_launches_us
 
     module, args, kwargs = zoo.FACTORIES[name](T=max(tokens), device="cuda")
     fused = plan(module, args, example_kwargs=kwargs)

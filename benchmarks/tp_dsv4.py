@@ -7,7 +7,7 @@ One process per rank (``--world``, default 2; NCCL with one GPU each, gloo on th
 rank builds the full layer from the same seed (checked), shards it (``examples/dsv4/tp.py``),
 computes the references at every batch size — the full layer, and the eager TP layer —, fuses
 its shard (``dsv4.fuse_layer``: fuser on the layer, ``all_reduce`` an opaque leaf, and nested on
-the shared expert), then captures it in capture mode with ``fuser.capture.capture_decode``
+the shared expert), then captures it in capture mode with ``fuser.tools.capture.capture_decode``
 (largest size first, two warm-ups each on one side stream, one shared pool) and checks every replay against both references within the layer tolerance,
 forgiving only tokens whose top-k expert set flipped on a near-tie. Batch sizes come from static
 input buffers sliced per size, identical on every rank.
@@ -37,8 +37,8 @@ if not torch.cuda.is_available():
 from examples.dsv4 import layer as dsv4  # noqa: E402
 from examples.dsv4 import tp  # noqa: E402
 from examples.dsv4.compare import compare_routed, run_with_expert_ids  # noqa: E402
-from fuser.bench import stamp  # noqa: E402
-from fuser.capture import SGLANG_BATCH_SIZES, capture_decode  # noqa: E402
+from fuser.tools.bench import stamp  # noqa: E402
+from fuser.tools.capture import SGLANG_BATCH_SIZES, capture_decode  # noqa: E402
 
 FACTORIES = {"flash": dsv4.flash, "tiny": dsv4.tiny}
 CPU_BATCH_SIZES = [1, 4, 16]  # the interpreter is slow: a few sizes only

@@ -3,7 +3,7 @@ shared expert fused inside its leaf); for any other model, ``fuser tune FILE.py:
 
     PYTHONPATH=. python benchmarks/tune_launch.py [--config flash] [--tokens 8,256] [--out DIR]
 
-See :mod:`fuser.tune`; the table is merged into ``fuser/launch_configs/<GPU>.json`` (or
+See :mod:`fuser.tools.tune`; the table is merged into ``fuser/launch_configs/<GPU>.json`` (or
 ``--out``).
 """
 
@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from examples.dsv4 import layer as dsv4  # noqa: E402
-from fuser import bench  # noqa: E402
-from fuser.launch_config import TABLE_DIR, current_gpu  # noqa: E402
-from fuser.tune import tune_plans, write_table  # noqa: E402
+from fuser.tools import bench  # noqa: E402
+from fuser.codegen.launch_config import TABLE_DIR, current_gpu  # noqa: E402
+from fuser.tools.tune import tune_plans, write_table  # noqa: E402
 
 
 def tune(config: str, tokens: tuple[int, ...]) -> list[dict]:

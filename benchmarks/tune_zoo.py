@@ -23,15 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from examples.zoo import layers as zoo  # noqa: E402
-from fuser import bench  # noqa: E402
-from fuser.launch_config import heuristic_warps  # noqa: E402
+from fuser.tools import bench  # noqa: E402
+from fuser.codegen.launch_config import heuristic_warps  # noqa: E402
 
 OUT = ROOT / "benchmarks/results"
 WITHIN = 1.10  # the target: the heuristic's time at most 10% over the best warps'
 
 
 def tune_one(name: str, tokens: tuple[int, ...], out: Path) -> None:
-    from fuser.tune import tune
+    from fuser.tools.tune import tune
 
     module, args, kwargs = zoo.FACTORIES[name](T=max(tokens), device="cuda")
     entries = tune(module, args, kwargs, tokens)
@@ -67,7 +67,7 @@ def markdown(rows: list[dict], stamp: dict) -> str:
         "",
         f"{stamp.get('gpu', '')}, times measured at commit {stamp.get('commit', '')}. Every fused kernel of every zoo",
         "layer at real dims, timed at 1, 2, 4, 8 and 16 warps (10 launches back to back in a CUDA graph,",
-        "replayed), against the warps `fuser.launch_config.heuristic_warps` picks from the kernel's block size",
+        "replayed), against the warps `fuser.codegen.launch_config.heuristic_warps` picks from the kernel's block size",
         "and ops (today's heuristic: `python benchmarks/tune_zoo.py --render` judges it again on these",
         "times, without a GPU).",
         "",

@@ -5,13 +5,13 @@
 """
 
 from fuser.api import CheckResult, FuserError, apply, check, explain, plan
-from fuser.emit import CaptureCompileError
-from fuser.opaque import is_opaque, opaque
+from fuser.codegen.emit import CaptureCompileError
+from fuser.install.splice import is_fused
+from fuser.ir.opaque import is_opaque, opaque
+from fuser.ir.report import Report
+from fuser.model.fuse_model import ModelReport, restore
 from fuser.pattern import Param, PatternError, tensor
-from fuser.report import Report
-from fuser.model import ModelReport, restore
-from fuser.splice import is_fused
-from fuser.trace import TraceRefused, trace
+from fuser.trace.refusal import TraceRefused
 
 
 def _version() -> str:
@@ -31,6 +31,6 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "__version__", "apply", "restore", "explain", "check", "plan", "trace", "opaque", "is_opaque", "is_fused",
+    "__version__", "apply", "restore", "explain", "check", "plan", "opaque", "is_opaque", "is_fused",
     "Param", "tensor", "Report", "ModelReport", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
 ]  # fmt: skip

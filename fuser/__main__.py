@@ -1,5 +1,5 @@
 import sys
 
-from fuser.cli import main
+from fuser.tools.cli import main
 
 sys.exit(main())

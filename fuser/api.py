@@ -1,5 +1,5 @@
-"""api: what users call — apply, explain, check — on one module (:mod:`fuser.pipeline`) or on a
-model of repeated layers (:mod:`fuser.model`, which fuses each layer structure through the
+"""api: what users call — apply, explain, check — on one module (:mod:`fuser.pipeline.fuse_module`) or on a
+model of repeated layers (:mod:`fuser.model.fuse_model`, which fuses each layer structure through the
 pipeline).
 
     fused = fuser.apply(module, example_inputs)   # in place; returns the report
@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from fuser.model import apply_model, restore as restore_model
-from fuser.pipeline import FuserError, apply_plan, plan, tensors_of
-from fuser.report import Report
-from fuser.signature import state_tensors, with_state_copied
-from fuser.splice import restore
-from fuser.tolerance import LAYER, mismatch
-from fuser.trace import preserved_state
-from fuser.validation import unordered_outputs
+from fuser.model.fuse_model import apply_model, restore as restore_model
+from fuser.pipeline.fuse_module import FuserError, apply_plan, plan, tensors_of
+from fuser.ir.report import Report
+from fuser.trace.call_spec import state_tensors, with_state_copied
+from fuser.install.splice import restore
+from fuser.validate.tolerance import LAYER, mismatch
+from fuser.trace.tracing import preserved_state
+from fuser.validate.against_eager import unordered_outputs
 
 
 def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
@@ -51,9 +51,9 @@ def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
       warning.
 
     A model with a stack of repeated layers (a transformers CausalLM) is fused layer by layer
-    (:mod:`fuser.model`): each distinct layer structure is traced once, with the inputs one real
+    (:mod:`fuser.model.fuse_model`): each distinct layer structure is traced once, with the inputs one real
     forward of the model gives its first layer, and its kernels serve every layer of that
-    structure; the report is then a :class:`fuser.model.ModelReport`.
+    structure; the report is then a :class:`fuser.model.fuse_model.ModelReport`.
 
     A second apply on a fused module (also from another thread) raises :class:`FuserError`.
     ``copy.deepcopy`` gives a copy fused against its own parameters; pickling (``torch.save``)

@@ -1,4 +1,4 @@
-"""pattern: the declarative pattern format (:func:`fuser.pattern_files.load_pattern` loads a file
+"""pattern: the declarative pattern format (:func:`fuser.match.pattern_files.load_pattern` loads a file
 with located errors).
 
 A pattern file (one chain per file, in ``patterns/``) holds exactly three things::
@@ -30,7 +30,7 @@ is a condition on the captured ``Param`` values, by name, that a match must meet
 ``Param(value)`` arguments are literals the matcher captures from the model instead of
 requiring them equal (eps, a clamp limit); ``Param(20, search=range(1, 65))`` is a structural
 integer (a loop count) that the matcher searches for. Everything else in the reference must
-appear in the model as written, up to the spellings ``fuser.canon`` folds together.
+appear in the model as written, up to the spellings ``fuser.canon.canonicalize`` folds together.
 """
 
 from __future__ import annotations

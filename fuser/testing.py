@@ -4,7 +4,7 @@ A pattern's ``reference`` is its own golden reference, so a pattern file can be 
 without any model: the reference becomes a module, fuser fuses it with the pattern, and the
 fused module must (1) run the pattern's kernel — the report names the pattern — and (2)
 match the reference at T in {1, 3, 16} within the per-dtype tolerance of
-:data:`fuser.tolerance.KERNEL`. In a test file of your own::
+:data:`fuser.validate.tolerance.KERNEL`. In a test file of your own::
 
     from fuser.testing import golden_tests
 
@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 import fuser
-from fuser.emit import template_names
+from fuser.codegen.emit import template_names
 from fuser.pattern import Pattern, PatternError, example_tensors
-from fuser.pattern_files import load_pattern
-from fuser.splice import STATE_ATTR
-from fuser.tolerance import least_precise, mismatch
+from fuser.match.pattern_files import load_pattern
+from fuser.install.splice import STATE_ATTR
+from fuser.validate.tolerance import least_precise, mismatch
 
 #: widths tried besides the example size: small, and odd or not a power of two
 WIDTHS = (6, 42, 123)

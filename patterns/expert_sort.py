@@ -12,14 +12,14 @@ input as float32 on the CPU and MPS and as int32 elsewhere, as transformers writ
 reference does the same and the kernel counts what that cast gives.
 
 Where the layer puts its rows back in token order with the inverse permutation
-(``inv[perm] = arange(S)``, :func:`fuser.idioms.inverse_permutation`), the kernel writes that
+(``inv[perm] = arange(S)``, :func:`fuser.trace.in_place_idioms.inverse_permutation`), the kernel writes that
 too: it is where each id goes, which the sort computes anyway. ``inverse`` is 1 for a layer
 that builds it and 0 for one that does not.
 """
 
 import torch
 
-from fuser.idioms import inverse_permutation
+from fuser.trace.in_place_idioms import inverse_permutation
 from fuser.pattern import Param, tensor
 
 #: Most experts the kernel counts: up to here histc's float32 bin arithmetic puts every id in

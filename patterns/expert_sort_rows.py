@@ -10,7 +10,7 @@ equal ids as the permutation does, and validation compares them up to that order
 
 import torch
 
-from fuser.idioms import inverse_permutation
+from fuser.trace.in_place_idioms import inverse_permutation
 from fuser.pattern import Param, tensor
 
 #: Most experts the kernel counts (as ``expert_sort``).

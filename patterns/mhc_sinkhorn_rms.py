@@ -4,7 +4,7 @@ per-token rsqrt(mean(x^2) + eps), then the mhc_sinkhorn block, all in one launch
 from pathlib import Path
 
 from fuser.pattern import Param, tensor
-from fuser.pattern_files import load_pattern
+from fuser.match.pattern_files import load_pattern
 
 _sinkhorn = load_pattern(Path(__file__).with_name("mhc_sinkhorn.py")).reference
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import fuser.passes
+import fuser
+import fuser.pipeline.passes
 from fuser.pattern import patterns_dir
-from fuser.pattern_files import load_pattern
-from fuser.splice import STATE_ATTR
+from fuser.match.pattern_files import load_pattern
+from fuser.install.splice import STATE_ATTR
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +27,7 @@ def spied_launches(corrupt: str | None = None):
     """Wrap every kernel launcher fuser emits: record each call's pattern; for launchers of the
     pattern ``corrupt`` (or of a merged kernel with it among its parts), add 1.0 to every output
     (a kernel that computes the wrong values)."""
-    real_emit = fuser.passes.emit
+    real_emit = fuser.pipeline.passes.emit
     calls: list[str] = []
 
     def emit(spec):
@@ -43,8 +44,26 @@ def spied_launches(corrupt: str | None = None):
         return path, spy
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fuser.passes, "emit", emit)
+        mp.setattr(fuser.pipeline.passes, "emit", emit)
         yield calls
+
+
+def fused_output(module: torch.nn.Module, inputs: tuple, corrupt: str | None = None, **apply_options):
+    """``module(*inputs)`` through its fused forward: fused, called once without autograd (the
+    fused kernels have no backward), restored. The call must take the fused graph (a guard that declines it fails here). ``corrupt`` as in
+    :func:`spied_launches` (with ``validate=False``, a broken kernel gets through)."""
+    with spied_launches(corrupt):
+        fuser.apply(module, inputs, **apply_options)
+        try:
+            state = module.__dict__[STATE_ATTR]
+            fused, runs = state.fused, []
+            state.fused = lambda *args: runs.append(1) or fused(*args)
+            with torch.no_grad():
+                out = module(*inputs)
+        finally:
+            fuser.restore(module)
+    assert runs, f"{type(module).__name__}: the guard declined the call; the fused forward did not run"
+    return out
 
 
 # --- patterns ----------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 A token whose top-k expert set differs between the two runs (a near-tie in the router flipped
 by a one-ulp difference upstream: a fused kernel, another all-reduce order) legitimately gets
 another output; every other token must match within the whole-layer tolerance
-(``fuser.tolerance.LAYER``). Used by ``benchmarks/capture_dsv4.py``, ``benchmarks/tp_dsv4.py``
-and ``tests/test_tp.py``.
+(``fuser.validate.tolerance.LAYER``). Used by ``benchmarks/capture_dsv4.py``, ``benchmarks/tp_dsv4.py``
+and ``tests/serving/test_tp.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from fuser.tolerance import LAYER, mismatch
+from fuser.validate.tolerance import LAYER, mismatch
 
 
 def run_with_expert_ids(module, inputs):

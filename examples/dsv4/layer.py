@@ -33,8 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fuser
-from fuser.pipeline import Plan, apply_plan
-from fuser.trace import preserved_state
+from fuser.pipeline.fuse_module import Plan, apply_plan
+from fuser.trace.tracing import preserved_state
 
 
 # ---------------------------------------------------------------------------------------------

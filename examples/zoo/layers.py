@@ -83,7 +83,7 @@ MODELS = {
 }  # fmt: skip
 
 
-#: More of transformers' layers, at tiny dims only: checked on the CPU in CI (tests/test_zoo.py),
+#: More of transformers' layers, at tiny dims only: checked on the CPU in CI (tests/model/test_zoo.py),
 #: not benchmarked. Nothing was looked at to pick them but that transformers ships them.
 _DENSE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _MOE = dict(_DENSE, moe_intermediate_size=32, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
@@ -140,7 +140,7 @@ def static_cache(config, max_cache_len: int):
     window is full indexes with ``torch.tensor([-1], device=...)`` (transformers 5.19,
     ``cache_utils.py:569``), a copy from host memory that no capture takes. A plain layer sized
     for the whole sequence holds every key instead, and the model's own sliding-window mask
-    still keeps each token to its window: the same logits (``tests/test_decode.py``)."""
+    still keeps each token to its window: the same logits (``tests/model/test_decode.py``)."""
     from transformers import StaticCache
 
     types = getattr(config, "layer_types", None)

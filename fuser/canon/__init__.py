@@ -1,0 +1,6 @@
+"""canon: a canonical op (:class:`~fuser.ir.canonical_op.COp`) for every node of a traced graph.
+
+Takes a :class:`~fuser.trace.tracing.Traced`; returns ``{node: COp}``: each spelling of an op
+(``x*x``, ``x.pow(2)``, ``x.square()``; ``view``/``reshape``) as one op with its arguments bound,
+and its kind (compute, view, heavy, mutation, ...), which every later stage reads.
+"""

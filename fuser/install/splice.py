@@ -1,0 +1,363 @@
+"""splice: put the fused graph back into the eager module, in place, behind a guard.
+
+The fused forward is Python generated from the rewritten fx graph with ``self`` as the root,
+called with the live module: parameters, buffers and leaves are looked up on it at every call,
+so nothing is copied and ``state_dict`` is unchanged. ``module.forward`` becomes a
+:class:`GuardedForward` that runs the fused graph only when the call looks like the traced one
+(dtypes, devices, non-token sizes, at least one token, no autograd, the user's own predicate,
+the module's captured scalar attributes unchanged) and the original forward otherwise.
+
+Glue computed from parameters alone (a weight's cast) is computed once at apply time and held
+in a plain attribute; the guard watches the parameters it reads (version counter and storage)
+and recomputes it, in place, after they change. :func:`restore` undoes everything. A deep copy
+is fused against its own parameters; a pickled (``torch.save``) module is the eager one.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import threading
+import types
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fuser.codegen.capture_guard import capturing
+from fuser.install.fused_graph import compile_function
+from fuser.trace.call_spec import CallSpec
+from fuser.trace.tracing import Traced
+
+STATE_ATTR = "_fuser_state"
+
+
+def read_attributes(module: torch.nn.Module, names: tuple[str, ...]) -> tuple:
+    """The values of the dotted attribute paths ``names`` on ``module``, as one tuple."""
+    if not names:
+        return ()
+    values = operator.attrgetter(*names)(module)
+    return values if len(names) > 1 else (values,)
+
+
+def _stamp(tensors) -> tuple:
+    """What changes when a tensor is written in place (version counter) or replaced (storage).
+    Inference tensors keep no version counter: only their storage is compared."""
+    return tuple((0 if t.is_inference() else t._version, t.data_ptr()) for t in tensors)
+
+
+@dataclass
+class Precomputed:
+    """Values computed from parameters alone, held in plain module attributes (``names``) and
+    recomputed from the parameters they read (``sources``) whenever one of those changes."""
+
+    names: tuple[str, ...]  # the module attributes holding the values
+    sources: tuple[str, ...]  # qualified names of the parameters they are computed from
+    compute: Callable  # compute(module) -> the values, in the order of ``names``
+    seen: tuple = ()  # the sources' stamp when the values were last computed
+    warned: bool = False
+
+    def current(self, module: torch.nn.Module) -> bool:
+        """True when the held values match the parameters (recomputing them if needed); False
+        when they are stale and cannot be recomputed now (inside a CUDA-graph capture)."""
+        stamp = _stamp(read_attributes(module, self.sources))
+        if stamp == self.seen:
+            return True
+        if capturing():
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"fuser: parameters of {type(module).__name__} ({', '.join(self.sources)}) changed since "
+                    "the values computed from them were; they cannot be recomputed during a CUDA-graph "
+                    "capture, so this capture runs the eager forward",
+                    stacklevel=3,
+                )
+            return False
+        self.refresh(module, stamp)
+        return True
+
+    def refresh(self, module: torch.nn.Module, stamp: tuple) -> None:
+        with torch.no_grad():
+            values = self.compute(module)
+        for name, value in zip(self.names, values):
+            held = module.__dict__[name]
+            if held.shape == value.shape and held.dtype == value.dtype and held.device == value.device:
+                held.copy_(value)  # in place: a CUDA graph captured earlier reads this memory
+            else:
+                module.__dict__[name] = value.detach().clone()
+        self.seen = stamp
+
+
+def precomputation(graph: fx.Graph, nodes: dict[fx.Node, str]) -> Precomputed:
+    """How to recompute the parameter-only ``nodes`` (node -> attribute holding its value):
+    the part of ``graph`` they are computed from, as a function of the module."""
+    needed: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack += node.all_input_nodes
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node in needed:
+            env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[n] for n in nodes))
+    sources = tuple(sorted(n.target for n in needed if n.op == "get_attr"))
+    return Precomputed(tuple(nodes.values()), sources, compile_function(sub, "values computed from parameters"))
+
+
+@dataclass
+class Guard:
+    """When the fused forward may run: what the trace assumed about the call."""
+
+    call: CallSpec  # the traced call's structure and non-tensor values
+    traced: list[tuple[str, Any]]  # (graph input name, (dtype, device, sizes)) per tensor
+    predicate: Callable[..., bool] | None = None
+    state_reads: tuple = ()  # what the trace read off state objects (fuser.trace.call_spec.StateRead)
+
+    @classmethod
+    def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None) -> "Guard":
+        specs = []
+        for name, value in zip(traced.input_names, traced.example_inputs):
+            if not isinstance(value, torch.Tensor):
+                specs.append((name, None))  # state: the call spec checks its type
+                continue
+            batch = traced.batch_inputs.get(name)
+            sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
+            specs.append((name, (value.dtype, value.device, sizes)))
+        return cls(traced.call, specs, predicate, tuple(traced.state_reads))
+
+    def why_not(self, args, kwargs) -> str | None:
+        """None when the fused forward applies to this call, else the reason it does not."""
+        return self.check(args, kwargs)[1]
+
+    def check(self, args, kwargs) -> tuple[list | None, str | None]:
+        """(the graph's inputs in order, None) when the fused forward applies, else (None, why)."""
+        tensors, reason = self.call.flatten(args, kwargs)
+        if reason is None:
+            reason = self._mismatch(tensors)
+        if reason is None and self.state_reads:
+            reason = self._state_changed(tensors)
+        if reason is None and self.predicate is not None and not self.predicate(*args, **kwargs):
+            reason = "the user guard declined"
+        if reason is not None:
+            return None, reason
+        return tensors, None
+
+    def _state_changed(self, tensors) -> str | None:
+        states = {name: value for (name, spec), value in zip(self.traced, tensors) if spec is None}
+        for read in self.state_reads:
+            why = read.differs(states[read.state])
+            if why is not None:
+                return why
+        return None
+
+    def _mismatch(self, tensors) -> str | None:
+        for (name, spec), value in zip(self.traced, tensors):
+            if spec is None:
+                continue
+            dtype, device, sizes = spec
+            if value.dtype != dtype or value.device != device or value.dim() != len(sizes):
+                return f"{name} is {value.dtype} {tuple(value.shape)} on {value.device}"
+            for i, (have, want) in enumerate(zip(value.shape, sizes)):
+                if want is None:
+                    if have == 0:
+                        return f"{name} has no tokens"
+                elif have != want:
+                    return f"{name} dim {i} is {have}, traced with {want}"
+        return None
+
+
+@dataclass
+class Literals:
+    """Scalar attributes of the module (dotted paths) whose values the fused graph holds as
+    literals: a call after one of them changed runs the eager forward (with one warning)."""
+
+    values: dict[str, Any]
+    warned: bool = False
+
+    def current(self, module: torch.nn.Module) -> bool:
+        names = tuple(self.values)
+        if read_attributes(module, names) == tuple(self.values.values()):
+            return True
+        if not self.warned:
+            self.warned = True
+            now = dict(zip(names, read_attributes(module, names)))
+            changed = ", ".join(f"{n}={now[n]!r} (fused with {v!r})" for n, v in self.values.items() if now[n] != v)
+            warnings.warn(
+                f"fuser: {type(module).__name__} changed {changed} after fuser.apply; the fused forward "
+                "holds the old values, so the eager forward runs (fuser.restore and apply again to fuse)",
+                stacklevel=3,
+            )
+        return False
+
+
+@dataclass
+class FuserState:
+    original_forward: Callable | None  # the instance attribute we replaced, if any
+    fused: Callable  # fused(module, *traced_args): the fused graph, run on the module given
+    guard: Guard
+    report: Any
+    constants: tuple[str, ...] = ()  # attributes holding values computed from parameters
+    precomputed: Precomputed | None = None
+    literals: Literals = field(default_factory=lambda: Literals({}))
+
+    def current(self, module: torch.nn.Module) -> bool:
+        """Does what the fused graph fixed at apply time still hold?"""
+        if self.literals.values and not self.literals.current(module):
+            return False
+        return self.precomputed is None or self.precomputed.current(module)
+
+
+def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callable:
+    if state is not None and state.original_forward is not None:
+        return state.original_forward
+    return type(module).forward.__get__(module)
+
+
+def _wants_grad(module: torch.nn.Module, tensors) -> bool:
+    """Would autograd record this call (``tensors``: every tensor it passes, nested ones too)?
+    The fused kernels have no backward, so it must run eager. Parameters are asked at each call
+    (after grad mode): requires_grad may change after apply."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors) or any(
+        p.requires_grad for p in module.parameters()
+    )  # state objects (a KV cache, a batch's metadata) are among them: their tensors are not inputs
+
+
+class GuardedForward:
+    """``module.forward`` while fused: the fused graph when the guard takes the call, the
+    module's own forward otherwise. It holds the module, not a copy of anything, so a deep copy
+    of the module gets a guarded forward of its own."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    @property
+    def __wrapped__(self) -> Callable:  # inspect.signature() shows the module's own signature
+        return _eager_forward(self.module, self.module.__dict__.get(STATE_ATTR))
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        state = module.__dict__.get(STATE_ATTR)
+        if state is not None:
+            traced_args, _ = state.guard.check(args, kwargs)  # every tensor of the call, or None
+            if traced_args is not None and not _wants_grad(module, traced_args) and state.current(module):
+                return state.fused(module, *traced_args)
+        return _eager_forward(module, state)(*args, **kwargs)
+
+
+# apply and restore of one module are serialised; different modules fuse concurrently.
+_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def module_lock(module: torch.nn.Module) -> threading.RLock:
+    """The lock held while ``module`` is being fused or restored."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.RLock()
+        return lock
+
+
+class AlreadyFused(ValueError):
+    """install() on a module that is fused already (by another thread, say)."""
+
+
+COPY_HOOKS = ("__getstate__", "__deepcopy__")
+
+
+def install(
+    module: torch.nn.Module,
+    fused_forward: Callable,
+    guard: Guard,
+    report,
+    constants=None,
+    precomputed: Precomputed | None = None,
+    literals: dict[str, Any] | None = None,
+) -> None:
+    """Route ``module.forward`` through the guard to ``fused_forward`` (a function, or a method
+    whose function is called with the module as ``self``).
+
+    ``constants`` (name -> tensor) become plain attributes of the module — not parameters or
+    buffers, so ``state_dict`` is unchanged; they hold values computed from parameters, which
+    ``precomputed`` recomputes after those change. ``literals`` are the module's scalar
+    attributes the fused graph holds as constants (dotted path -> value at apply time).
+    Raises :class:`AlreadyFused` (leaving the module as it is) when it is fused already.
+    """
+    constants = constants or {}
+    fused = getattr(fused_forward, "__func__", fused_forward)
+    with module_lock(module):
+        if is_fused(module):
+            raise AlreadyFused(f"{type(module).__name__} is already fused; call fuser.restore() first")
+        for name, value in constants.items():  # (first: a precomputed value may read one)
+            object.__setattr__(module, name, value)
+        if precomputed is not None:
+            precomputed.seen = _stamp(read_attributes(module, precomputed.sources))
+        state = FuserState(
+            module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {}))
+        )
+        _add_copy_hooks(module)
+        object.__setattr__(module, STATE_ATTR, state)
+        module.__dict__["forward"] = GuardedForward(module)
+
+
+def _add_copy_hooks(module: torch.nn.Module) -> None:
+    """Instance hooks that copy and pickle consult before the class's: a deep copy is fused
+    against its own parameters; pickling (torch.save) gives the eager module, since the fused
+    code is generated at apply time and cannot be pickled."""
+    module.__dict__["__getstate__"] = types.MethodType(_eager_state, module)
+    module.__dict__["__deepcopy__"] = types.MethodType(_fused_deepcopy, module)
+
+
+def _eager_state(module: torch.nn.Module) -> dict:
+    """The module's pickled state, as if it had never been fused."""
+    state = type(module).__getstate__(module)
+    state = dict(state) if state is not None else dict(module.__dict__)
+    fuser_state = state.pop(STATE_ATTR, None)
+    for name in (*COPY_HOOKS, *(fuser_state.constants if fuser_state else ())):
+        state.pop(name, None)
+    if isinstance(state.get("forward"), GuardedForward):
+        del state["forward"]
+        if fuser_state is not None and fuser_state.original_forward is not None:
+            state["forward"] = fuser_state.original_forward
+    return state
+
+
+def _fused_deepcopy(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """What copy.deepcopy does for a module, keeping the fused state: every reference to the
+    module (the guarded forward's) and to its parameters becomes one to the copy's."""
+    cls = type(module)
+    twin = cls.__new__(cls)
+    memo[id(module)] = twin
+    state = type(module).__getstate__(module)
+    state = {k: v for k, v in (state if state is not None else module.__dict__).items() if k not in COPY_HOOKS}
+    twin.__setstate__(copy.deepcopy(state, memo))
+    _add_copy_hooks(twin)
+    return twin
+
+
+def restore(module: torch.nn.Module) -> None:
+    """Undo :func:`fuser.apply`: the module's forward is its own again."""
+    with module_lock(module):
+        state = module.__dict__.get(STATE_ATTR)
+        if state is None:
+            raise ValueError(f"{type(module).__name__} is not fused by fuser")
+        if state.original_forward is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = state.original_forward
+        for name in (*state.constants, *COPY_HOOKS):
+            module.__dict__.pop(name, None)
+        del module.__dict__[STATE_ATTR]
+
+
+def is_fused(module: torch.nn.Module) -> bool:
+    return STATE_ATTR in module.__dict__

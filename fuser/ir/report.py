@@ -1,0 +1,112 @@
+"""report: what fuser did to a module — the ``explain`` output, as data, text and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class FusedChain:
+    kernel: str  # kernel file name, without ".py"
+    template: str
+    pattern: str  # a pattern name, or "generic"
+    params: dict
+    nodes: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    launches_replaced: int
+    path: str = ""  # where the kernel file is (the kernel directory emit chose)
+
+
+@dataclass
+class Rejected:
+    pattern: str
+    anchor: str
+    category: str
+    reason: str
+
+
+@dataclass
+class Unfused:
+    node: str
+    op: str
+    reason: str
+    launches: int
+
+
+@dataclass
+class Report:
+    """What fusing one module did, as ``fuser explain`` prints it (:meth:`text`): the chains
+    fused, the candidates rejected and why, the glue left eager and why, the leaves kept
+    opaque, and the glue launches before and after."""
+
+    module: str
+    chains: list[FusedChain] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    unfused: list[Unfused] = field(default_factory=list)
+    precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
+    literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
+    state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
+    automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
+    attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
+    shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
+    glue_nodes_before: int = 0
+    glue_nodes_after: int = 0
+    launches_before: int = 0
+    launches_after: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def json(self) -> str:
+        return json.dumps(self.to_json(), indent=2, default=str)
+
+    def text(self) -> str:
+        lines = [f"fuser report for {self.module}", ""]
+        lines.append(
+            f"glue kernel launches per call: {self.launches_before} eager -> {self.launches_after} fused"
+            f"   (glue nodes {self.glue_nodes_before} -> {self.glue_nodes_after})"
+        )
+        lines += ["", f"fused chains ({len(self.chains)}):"]
+        for c in self.chains:
+            params = ", ".join(f"{k}={v!r}" for k, v in sorted(c.params.items()))
+            lines.append(
+                f"  {c.pattern:<22} {c.template:<11} {c.launches_replaced:>4} launches -> 1   "
+                f"{c.outputs[0] if c.outputs else ''}{' ...' if len(c.outputs) > 1 else ''}"
+                + (f"   [{params}]" if params else "")
+            )
+            lines.append(f"  {'':<22} {_shown(c.path) if c.path else f'kernels/{c.kernel}.py'}  ({len(c.nodes)} nodes)")
+        lines += ["", f"rejected candidates ({len(self.rejected)}):"]
+        for r in self.rejected:
+            lines.append(f"  {r.pattern:<22} at {r.anchor}: [{r.category}] {r.reason}")
+        if self.automatic_leaves:
+            lines += ["", f"leaves (automatic: code the trace cannot go into, and calls into compiled code; they run as they are) ({len(self.automatic_leaves)}):"]
+            for leaf in self.automatic_leaves:
+                lines.append(f"  leaf (automatic): {leaf['name']} — {leaf['where']}, {leaf['reason']}")
+        if self.attention_calls:
+            lines += ["", f"attention calls given their arguments as they were made (fuser.trace.attention_calls) ({len(self.attention_calls)}):"]
+            lines += [f"  {line}" for line in self.attention_calls]
+        if self.shared:
+            lines += ["", "kernels of the call's inputs alone, run once per forward of the model for the layers given "
+                      f"the same inputs (fuser.install.once_per_forward): {', '.join(self.shared)}"]
+        if self.precomputed:
+            lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
+        if self.literals:
+            values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
+            lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]
+        if self.state_reads:
+            values = ", ".join(f"{k}={v}" for k, v in self.state_reads.items())
+            lines += ["", f"read off the call's state as traced (a call where one differs runs eager): {values}"]
+        launches = sum(u.launches for u in self.unfused)
+        lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
+        for u in self.unfused:
+            lines.append(f"  {u.node:<28} {u.op:<22} {u.reason}")
+        return "\n".join(lines)
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it is inside it, else as it is."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative

@@ -1,0 +1,463 @@
+"""lower: turn a region of canonical ops into the body of a Triton *row program*.
+
+A row program runs one program per token row (and per tile of the last axis when no op
+mixes values along it, else per tile of the first axis when none mixes values along that:
+:mod:`fuser.lower.tiling`).
+Each value lives in registers as a block: its shape without the token dim, each dim padded to
+a power of two. Inputs are loaded through their runtime strides
+(so views, slices and non-contiguous tensors need no copy); values without a token dim
+(weights) are loaded whole and broadcast. Every op computes in fp32 and rounds to the dtype
+the eager op returns, so bf16 rounding happens exactly where PyTorch rounds. Operands are all
+loaded first (one memory round trip); each output the kernel allocates is stored where it is
+computed, one written into a caller's buffer last.
+
+How each op lowers comes from the op table (fuser/ir/ops.py): a pointwise op's Triton expression,
+or the ``lower_<name>`` method of :class:`Lowerer` that its entry names.
+
+The result is plain data (:class:`fuser.lower.row_program.RowProgram`) that the Jinja templates render.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from fuser.ir import ops
+from fuser.lower.tidy import tidy
+from fuser.canon.canonicalize import COMPUTE, UNIT_VIEW, COp
+from fuser.lower.warps import elements_per_warp, warps_for
+from fuser.lower.code import (
+    COMPANIONS, EXPRESSIONS, INDEX_DTYPES, LoweringError, Segments, expanded, free_name, operand_names, pair_index,
+    rounded, shape_literal,
+)  # fmt: skip
+from fuser.lower.layout import LayoutLowerings
+from fuser.lower.reduce import ReductionLowerings
+from fuser.lower.rows import RowGathers
+from fuser.lower.row_program import TL_DTYPES, Operand, RowProgram, operand
+from fuser.lower.tiling import find_tiling, launch_widths, pow2, tile_floor
+from fuser.trace.tracing import Traced
+
+#: The most elements a value of a chain with no token rows may have: one program holds it.
+ROWLESS_ELEMENTS = 1 << 16
+
+
+class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
+    """Lowers one region: its nodes in graph order, each to lines of Triton over blocks in
+    registers (``lines``), each value's local in ``names`` and dtype in ``dtypes``. This class
+    holds the state and the general part (block shapes and indices, masks, locals, loads and
+    stores, the dispatch by op); the ops' own lowerings are its bases' methods, by kind:
+    :mod:`fuser.lower.layout`, :mod:`fuser.lower.reduce`, :mod:`fuser.lower.rows`."""
+
+    def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs, in_place=()):
+        self.traced, self.cops = traced, cops
+        self.nodes, self.inputs, self.outputs = list(nodes), list(inputs), list(outputs)
+        self.in_place = set(in_place)  # outputs written into a caller's buffer: stored last
+        self.names: dict[fx.Node, str] = {}
+        self.dtypes: dict[fx.Node, torch.dtype] = {}
+        self.lines: list[str] = []
+        self.helpers: set[str] = set()
+        self.taken: set[str] = set()  # locals (and their companions) in use
+        self.masks: dict[str, str] = {}  # mask expression -> the local it is built in, once
+        # Tables read only through a row gather are never loaded whole, nor at this program's row.
+        self.gathered = {n for n in self.inputs if self._only_gathered(n)}
+        self.regathered = self._regathered()
+        self.row_rank = max(
+            (self.traced.value(n).dim() for n in self.inputs + self.nodes if self.traced.batch_dims(n)), default=0
+        )
+        self._check_rows()
+        tiling = find_tiling(self)
+        self.tiled = tiling is not None
+        self.last, self._leading = (tiling.size, tiling.leading) if tiling else (1, False)
+        self.tile_axis = tiling.axis if tiling else {}  # each value's tiled block axis
+        self.tile_scale = tiling.scale if tiling else {}  # how many tiles wide it is read
+        self.block_last = 1
+
+    def _check_rows(self):
+        rows = set()
+        for node in self.inputs + self.nodes:
+            if node in self.regathered:
+                continue
+            value = self.traced.value(node)
+            if node in self.nodes and self.cops[node].op == "topk":
+                continue  # a (values, indices) pair, read only through its parts
+            if not isinstance(value, torch.Tensor):
+                raise LoweringError(f"`{node.name}` is not a tensor")
+            batch = self.traced.batch_dims(node)
+            if batch and batch != (0,):
+                raise LoweringError(f"`{node.name}` has its token dim at {batch}, not first")
+            if batch and node not in self.gathered:  # a gathered table's rows are any rows
+                rows.add((value.shape[0], self.traced.shadows[node.name][1].shape[0]))
+            if value.dtype in INDEX_DTYPES:
+                continue  # positions and index arithmetic, computed in integers
+            if value.dtype not in TL_DTYPES and not value.dtype.is_complex and node not in self.gathered:
+                raise LoweringError(f"`{node.name}` is {value.dtype}; row programs take {list(TL_DTYPES)}")
+        if len(rows) > 1:
+            raise LoweringError(f"values with different token counts {sorted(rows)} in one chain")
+        self.rowless = not rows
+        if self.rowless:
+            self._check_rowless()
+            return
+        for node in self.outputs:
+            if not self.traced.batch_dims(node):
+                raise LoweringError(f"output `{node.name}` does not follow the tokens")
+
+    def _check_rowless(self):
+        """A chain where no value follows the tokens (a model's positions and causal mask, from
+        its cache's length) is one program over values of the sizes they were traced with; it
+        needs a tensor input, for the device, and blocks one program holds."""
+        if not any(isinstance(self.traced.value(n), torch.Tensor) for n in self.inputs):
+            raise LoweringError("no value in the chain follows the tokens, and it reads no tensor")
+        for node in self.inputs + self.nodes:
+            value = self.traced.value(node)
+            if isinstance(value, torch.Tensor) and value.numel() > ROWLESS_ELEMENTS:
+                raise LoweringError(
+                    f"no value in the chain follows the tokens, and `{node.name}` has {value.numel()} elements: "
+                    f"one program takes at most {ROWLESS_ELEMENTS}"
+                )
+
+    def block_shape(self, node: fx.Node) -> tuple[int, ...]:
+        value = self.traced.value(node)
+        if self.traced.batch_dims(node):
+            return tuple(value.shape[1:])
+        if self._over_rows(node, value):
+            return tuple(value.shape[1:])  # [1, N] broadcast over the token rows
+        return tuple(value.shape)
+
+    def _over_rows(self, node: fx.Node, value) -> bool:
+        """Is ``node``'s value (no token rows) broadcast over the rows: a leading 1 where the
+        row values it is combined with have their rows, at their rank (or the region's)?"""
+        if not value.dim() or value.shape[0] != 1:
+            return False
+        if value.dim() == self.row_rank:
+            return True
+        return any(
+            u in self.nodes and self.traced.batch_dims(u) and self.traced.value(u).dim() == value.dim() for u in node.users
+        )
+
+    def block_axes(self, cop: COp) -> list[int]:
+        src = cop.args[0]
+        offset = 1 if self.traced.batch_dims(src) else 0
+        return [d - offset for d in cop.attr("dim")]
+
+    def block_axis(self, node: fx.Node, dim: int) -> int:
+        """Block axis of ``node``'s (full-rank) dim ``dim``."""
+        return dim - (1 if self.traced.batch_dims(node) else 0)
+
+    def is_tiled(self, node: fx.Node, axis: int) -> bool:
+        return self.tiled and self.tile_axis.get(node) == axis
+
+    def axis_index(self, node: fx.Node, axis: int, rank: int) -> str:
+        """Index along ``axis`` of ``node``'s rank-``rank`` block, broadcastable against others."""
+        size = self.block_shape(node)[axis]
+        base = self.tile_name(node) if self.is_tiled(node, axis) else f"tl.arange(0, {pow2(size)})"
+        if rank == 1:
+            return base
+        expand = ", ".join(":" if i == axis else "None" for i in range(rank))
+        return f"{base}[{expand}]"
+
+    def tile_name(self, node: fx.Node) -> str:
+        """The index of ``node``'s tiled axis: ``tile``, or ``tile2`` for a tile twice as wide."""
+        scale = self.tile_scale.get(node, 1)
+        return "tile" if scale == 1 else f"tile{scale}"
+
+    def padded(self, node: fx.Node) -> tuple[int, ...]:
+        shape = self.block_shape(node)
+        wide = self.block_last * self.tile_scale.get(node, 1)
+        return tuple(wide if self.is_tiled(node, i) else pow2(s) for i, s in enumerate(shape))
+
+    def shape_code(self, node: fx.Node, as_list: bool = False) -> str:
+        """``node``'s padded block shape as code, as ``str`` writes the tuple (or the list), but a
+        tiled axis as its tile's width (``BLOCK_TILE``, ``2 * BLOCK_TILE``): so that the body
+        reads the same at any width, and the launch may choose one."""
+        return shape_literal(self.dim_codes(node), as_list)
+
+    def dim_codes(self, node: fx.Node) -> list[str]:
+        """Each axis of ``node``'s padded block as code (:meth:`shape_code`)."""
+        return [self.tile_code(node) if self.is_tiled(node, i) else str(s) for i, s in enumerate(self.padded(node))]
+
+    def tile_code(self, node: fx.Node, halved: bool = False) -> str:
+        """The width of ``node``'s tiled axis as code (half of it with ``halved``)."""
+        scale = self.tile_scale.get(node, 1) // (2 if halved else 1)
+        return "BLOCK_TILE" if scale == 1 else f"{scale} * BLOCK_TILE"
+
+    def mask(self, node: fx.Node) -> str | None:
+        """The local holding which lanes of ``node``'s padded block are real (None: all are),
+        built once, at the top of the body."""
+        shape = self.block_shape(node)
+        terms = [
+            f"({self.axis_index(node, axis, len(shape))} < {size})"
+            for axis, size in enumerate(shape)
+            if self.is_tiled(node, axis) or pow2(size) != size
+        ]
+        if not terms:
+            return None
+        expr = " & ".join(terms)
+        if expr not in self.masks:
+            self.masks[expr] = f"mask{len(self.masks)}"
+        return self.masks[expr]
+
+    def fresh(self, node: fx.Node) -> str:
+        """A local for ``node``'s value, named after the node."""
+        self.names[node] = self.local(node.name)
+        return self.names[node]
+
+    def local(self, base: str) -> str:
+        """A new local called ``base`` (``add_1``), or another name (:func:`fuser.lower.code.free_name`) when that
+        one, or a companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's."""
+        name = free_name(base, self.taken)
+        self.taken.update(name + suffix for suffix in COMPANIONS)
+        return name
+
+    def f32(self, arg) -> str:
+        """An operand as fp32 (or a literal)."""
+        if not isinstance(arg, fx.Node):
+            if isinstance(arg, bool):
+                return "1" if arg else "0"
+            if isinstance(arg, float) and not math.isfinite(arg):
+                return {True: "float('inf')", False: "float('-inf')"}[arg > 0] if not math.isnan(arg) else "float('nan')"
+            return repr(float(arg)) if isinstance(arg, float) else repr(arg)
+        name = self.names[arg]
+        dtype = self.dtypes[arg]
+        if dtype in (torch.float32, torch.bool):
+            return name
+        return f"{name}.to(tl.float32)"
+
+    def emit(self, node: fx.Node, expr: str, layout_only: bool = False):
+        """``name = expr``, rounded to the node's dtype unless it only moves values around; a
+        layout op that leaves the block as it is names its source's local, no copy."""
+        dtype = self.traced.value(node).dtype
+        if layout_only and expr in self.taken:
+            self.names[node], self.dtypes[node] = expr, dtype
+            return
+        name = self.fresh(node)
+        if dtype not in (torch.float32, torch.bool) and not layout_only:
+            expr = rounded(expr, dtype)
+        self.lines.append(f"{name} = {expr}  # {node.name}")
+        self.dtypes[node] = dtype
+
+    def load(self, operand: Operand, node: fx.Node):
+        if node in self.gathered or node in self.regathered:
+            return
+        row = f"row * {operand.name}_stride_row" if operand.has_rows else None
+        self._emit_load(node, self.fresh(node), operand, row)
+
+    def _emit_load(self, node: fx.Node, name: str, operand: Operand, row: str | None, first_stride: int = 0):
+        """``name = tl.load(...)`` of ``node``'s block from ``operand``: ``row`` offsets the
+        pointer to this token's row; block dim i uses stride ``first_stride + i``."""
+        shape = operand.shape
+        rank = len(shape) + (1 if operand.complex else 0)
+        terms = [f"{operand.name}_ptr"] + ([row] if row else [])
+        for axis in range(len(shape)):
+            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{first_stride + axis}")
+        if operand.complex:
+            terms.append(f"{pair_index(rank)} * {operand.name}_stride_{first_stride + len(shape)}")
+        mask = self.mask(node)
+        if mask and operand.complex:
+            mask = f"({mask})[..., None]" if len(shape) else None
+        extra = f", mask={mask}, other=0.0" if mask else ""
+        self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
+        self.names[node] = name
+        self._finish_pair_load(node, name, operand)
+
+    def _finish_pair_load(self, node, name, operand):
+        self.dtypes[node] = operand.dtype
+        if operand.complex:
+            self.lines.append(f"{name}_re, {name}_im = tl.split({name})")
+            self.names[node] = (f"{name}_re", f"{name}_im")
+
+    def store(self, operand: Operand, node: fx.Node):
+        value = self.names[node]
+        if isinstance(value, Segments):
+            return self._store_segments(operand, node, value)
+        shape = operand.shape
+        rank = len(shape) + (1 if operand.complex else 0)
+        terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
+        for axis in range(len(shape)):
+            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
+        mask = self.mask(node)
+        if operand.complex:
+            terms.append(f"{pair_index(rank)} * {operand.name}_stride_{len(shape)}")
+            value = f"tl.join({value[0]}, {value[1]})"
+            mask = f"({mask})[..., None]" if mask and len(shape) else None
+        extra = f", mask={mask}" if mask else ""
+        source = torch.float32 if operand.complex else self.dtypes[node]
+        target = torch.float32 if operand.complex else operand.dtype
+        self.lines.append(f"tl.store({' + '.join(terms)}, {rounded(value, target, source)}{extra})")
+
+    def _store_segments(self, operand: Operand, node: fx.Node, segments: "Segments"):
+        """A concatenation along the last axis: each part stored at its column offset."""
+        rank = len(operand.shape)
+        for offset, part, width, dtype in segments.parts:
+            terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
+            for axis in range(rank - 1):
+                terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
+            cols = expanded(f"tl.arange(0, {pow2(width)})", rank - 1, rank)
+            terms.append(f"({cols} + {offset}) * {operand.name}_stride_{rank - 1}")
+            masks = [
+                f"({self.axis_index(node, a, rank)} < {s})"
+                for a, s in enumerate(operand.shape[:-1])
+                if pow2(s) != s or self.is_tiled(node, a)
+            ]  # fmt: skip
+            if pow2(width) != width:
+                masks.append(f"({cols} < {width})")
+            extra = f", mask={' & '.join(masks)}" if masks else ""
+            self.lines.append(f"tl.store({' + '.join(terms)}, {rounded(part, operand.dtype, dtype)}{extra})")
+
+    def masked(self, node: fx.Node, fill: str) -> str:
+        mask = self.mask(node)
+        value = self.f32(node)
+        return f"tl.where({mask}, {value}, {fill})" if mask else value
+
+    def lower_node(self, node: fx.Node):
+        cop = self.cops[node]
+        op, args = cop.op, cop.args
+        entry = ops.TABLE.get(op)
+        if entry is None:
+            raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
+        if op == "topk":
+            return self.topk(node, cop)
+        keeps_parts = op == "cast" or (op == "reshape" and self._moves_unit_axes(args[0], node))
+        for arg in args:  # a concatenation read by anything but a cast, a store or a unit-axis move: one block
+            if not keeps_parts and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
+                self.names[arg] = self.joined(arg)
+        special = entry.lowering == "pairs_and_parts" or any(
+            isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
+        )
+        if special:
+            return self.lower_pairs_and_parts(node, cop)
+        if node in self.contracted:
+            return  # built inside the sum that reads it
+        if args and args[0] in self.contracted:
+            return self.reduce(node, cop)
+        if entry.integer and self._on_integers(node, args):
+            operands = [self.names[a] if isinstance(a, fx.Node) else repr(a) for a in args]
+            dtype = self.traced.value(node).dtype
+            return self.emit(node, ops.render(entry.integer, *operands), layout_only=dtype in INDEX_DTYPES)
+        if op in EXPRESSIONS:
+            self.helpers.update(entry.helpers)
+            operands = [None if a is None else self.f32(a) for a in args]
+            return self.emit(node, ops.render(EXPRESSIONS[op], *operands))
+        return getattr(self, f"lower_{entry.lowering}")(node, cop)
+
+    def _on_integers(self, node: fx.Node, args) -> bool:
+        """Index arithmetic, computed in integers: an integer result, or a comparison of integer
+        tensors (positions past 2^24 compare exactly, as they would not in fp32)."""
+        if self.traced.value(node).dtype in INDEX_DTYPES:
+            return True
+        tensors = [a for a in args if isinstance(a, fx.Node)]
+        literals = [a for a in args if not isinstance(a, fx.Node)]
+        return (
+            self.traced.value(node).dtype == torch.bool and bool(tensors)
+            and all(self.dtypes.get(a) in INDEX_DTYPES for a in tensors)
+            and all(isinstance(a, int) and not isinstance(a, bool) for a in literals)
+        )  # fmt: skip
+
+    def lower(self, block_last: int | None = None) -> RowProgram:
+        """The region's row program; a tiled one with ``block_last`` elements of the tiled axis
+        a program (default: :meth:`tile_width`)."""
+        names = operand_names(self.inputs + self.outputs)
+        ins = [self._operand(n, name) for n, name in zip(self.inputs, names)]
+        outs = [self._operand(n, name) for n, name in zip(self.outputs, names[len(self.inputs) :])]
+        for op, node in zip(outs, self.outputs):
+            op.into = node in self.in_place
+        if not self.rowless and not any(op.has_rows and not op.broadcast_rows and op.row_group for op in ins):
+            # (An expand over the tokens of a value that does not follow them, the chain's last
+            # op, is the reason: the chain is fused without it, and it stays a view.)
+            spread = [n for n in self.outputs if self.cops[n].op == "expand" and self.traced.batch_dims(n)]
+            raise LoweringError("no input of the chain follows the tokens: nothing gives its row count", *spread[:1])
+        for op in ins + outs:  # no local may be called as a kernel argument is
+            self.taken.update([f"{op.name}_ptr", *op.stride_args])
+        self.contracted = self._contractions()
+        values = [
+            n for n in self.nodes + self.inputs
+            if isinstance(self.traced.value(n), torch.Tensor)
+            and n not in self.contracted and n not in self.gathered and n not in self.regathered
+        ]  # fmt: skip: a gathered table is read a row at a time, a contracted product never built
+        others = 1
+        if self.tiled:
+            others = max(
+                math.prod(pow2(s) for i, s in enumerate(self.block_shape(n)) if not self.is_tiled(n, i))
+                * self.tile_scale.get(n, 1)
+                for n in values
+            )  # fmt: skip: a tile twice as wide counts twice
+            self.block_last = block_last or self.tile_width(others)
+        numel = max(math.prod(self.padded(n) or (1,)) for n in values)
+        self._operands = ins
+        for source, node in zip(ins, self.inputs):
+            self.load(source, node)
+        unstored = list(zip(outs, self.outputs))
+        for node in self.nodes:
+            if node in self.regathered:
+                continue
+            try:
+                self.lower_node(node)
+            except LoweringError as e:
+                e.node = e.node or node
+                raise
+            unstored = self._store_fresh(node, unstored)
+        for target, node in unstored:
+            self.store(target, node)
+        masks = [f"{name} = {expr}" for expr, name in self.masks.items()]
+        self.lines = tidy(masks + self.lines)
+        names = {self.cops[n].op for n in self.nodes}
+        leading = self.tiled and self._leading
+        per_warp = elements_per_warp(bool(names & ops.REDUCING), self.tiled, leading, names)
+        helpers = tuple(sorted(self.helpers))
+        scales = tuple(sorted({s for s in self.tile_scale.values() if s > 1})) if self.tiled else ()
+        return RowProgram(
+            ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps_for(numel, per_warp),
+            numel, helpers, scales, others, per_warp,
+        )  # fmt: skip
+
+    def _store_fresh(self, node: fx.Node, unstored: list) -> list:
+        """Store ``node`` where it is computed when it is an output the kernel allocates (so its
+        registers are free for the rest of the body); one written into a caller's buffer is
+        stored last, after every read of that buffer."""
+        if node in self.in_place or node not in self.names:
+            return unstored
+        for target, output in unstored:
+            if output is node:
+                self.store(target, node)
+        return [(target, output) for target, output in unstored if output is not node]
+
+    def tile_width(self, others: int) -> int:
+        """Elements of the tiled axis a program takes, when each of them comes with ``others``
+        elements of the other axes: about 2048 a program, at least 16 columns (heads by the one)."""
+        return min(pow2(self.last), max(tile_floor(self._leading), pow2(max(1, 2048 // others))))
+
+    def _operand(self, node: fx.Node, name: str) -> Operand:
+        op = operand(self.traced, node, name)
+        if not op.has_rows and self.block_shape(node) != op.shape:  # [1, N]: expanded over rows
+            op = Operand(name, node.name, self.block_shape(node), op.dtype, True, broadcast_rows=True)
+        if node in self.gathered or node in self.regathered:
+            groups = [self.cops[g].attr("group") for g in self.nodes if self.cops[g].op == "group_rows"
+                      and self.cops[self.cops[g].args[0]].args[1] is node]  # fmt: skip
+            op.row_group = groups[0] if groups else 0
+        return op
+
+
+def lower_region(traced: Traced, cops, nodes, inputs, outputs, in_place=()) -> RowProgram:
+    """Lower the region's nodes (in graph order) reading ``inputs`` and writing ``outputs``
+    (those in ``in_place`` into a caller's buffer)."""
+    for node in nodes:
+        if cops[node].kind not in (COMPUTE, UNIT_VIEW):
+            raise LoweringError(f"`{node.name}` ({cops[node].op}) is not an elementwise or reduction op")
+    program = Lowerer(traced, cops, nodes, inputs, outputs, in_place).lower()
+    if program.tiled:
+
+        def body_at(width: int) -> list[str]:
+            return Lowerer(traced, cops, nodes, inputs, outputs, in_place).lower(block_last=width).body
+
+        program.widths = _launch_widths(program, body_at)
+    return program
+
+
+def _launch_widths(program: RowProgram, body_at) -> tuple[int, ...]:
+    """The tile widths a launch of ``program`` may choose among (:func:`launch_widths`), or none
+    when its body depends on the width: lowered at another width, it must read the same."""
+    widths = launch_widths(program.block_last, program.others, program.leading)
+    if len(widths) < 2:
+        return ()
+    return widths if body_at(widths[0]) == program.body else ()

@@ -1,0 +1,474 @@
+"""model: :func:`fuser.apply` on a whole model — a stack of repeated decoder layers.
+
+One real forward of the model records what each layer is called with. Layers of one structure
+(same class, same parameter shapes and dtypes, same flag and name attributes) are traced, fused
+and validated once, on the first of them; every other layer of the structure gets the same
+kernels and fused forward, bound to its own weights (the fused forward reads its parameters from
+the module it runs on), with the values it computes from parameters alone recomputed from its
+own, and is checked against its eager forward on its own recorded inputs. The model's other
+submodules that the forward calls (the final norm, the rotary embedding) are fused each on its
+own where that saves launches, and so is the forward of each module that holds a stack and
+of each above it (the glue around the layers: the positions, the causal mask, the LM head's),
+with its submodules as leaves; within each forward of those modules, a kernel of the layers'
+inputs alone runs once for all the layers given the same inputs (:mod:`fuser.install.once_per_forward`).
+
+A structure that cannot be fused stays eager and is reported; the others are fused. A failure
+while installing restores every layer fused so far: the model is never left half-patched.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
+from fuser.ir.report import Report
+from fuser.trace.call_spec import CallSpec, is_state, with_state_copied
+from fuser.model.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
+from fuser.install.fused_graph import compile_forward
+from fuser.install.once_per_forward import share_within, unshare
+from fuser.install.splice import STATE_ATTR, install, is_fused, read_attributes
+from fuser.install.splice import restore as restore_module
+from fuser.validate.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
+from fuser.trace.tracing import preserved_state, trace
+
+MODEL_ATTR = "_fuser_model"  # on a model fused layer by layer: its ModelReport
+#: Modules the model's other submodules are never fused as (one kernel each already).
+_HEAVY = (nn.Linear, nn.Embedding, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass
+class LayerGroup:
+    """Layers of one structure: fused with one plan, or left eager with the reason."""
+
+    layers: list[str]
+    report: Report | None = None
+    eager: str | None = None  # why the group runs eager, if it does
+    # layer -> tokens its check left out: near ties of a top-k (a router's) in eager's scores,
+    # and tokens where eager's own output is not settled by its input (model._unsettled)
+    near_ties: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class ModelReport:
+    """What fusing a model layer by layer did: one :class:`LayerGroup` per layer structure
+    (its layers, its report or why it stayed eager), and the model's other submodules fused on
+    their own; launch counts are totals over the model."""
+
+    model: str
+    groups: list[LayerGroup] = field(default_factory=list)
+    others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report
+    skipped: dict[str, str] = field(default_factory=dict)  # other submodules not fused: name -> why
+
+    @property
+    def launches_before(self) -> int:
+        return self._total("launches_before")
+
+    @property
+    def launches_after(self) -> int:
+        return self._total("launches_after")
+
+    def _total(self, what: str) -> int:
+        layers = sum(getattr(g.report, what) * len(g.layers) for g in self.groups if g.report)
+        if what == "launches_after":  # a kernel of the layers' inputs alone: once for the group
+            layers -= sum(len(g.report.shared) * (len(g.layers) - 1) for g in self.groups if g.report)
+        return layers + sum(getattr(r, what) for r in self.others.values())
+
+    @property
+    def kernels(self) -> int:
+        """Distinct fused kernels: one set per layer structure, shared by its layers."""
+        return sum(len(g.report.chains) for g in self.groups if g.report) + sum(len(r.chains) for r in self.others.values())
+
+    def to_json(self) -> dict:
+        totals = {"launches_before": self.launches_before, "launches_after": self.launches_after, "kernels": self.kernels}
+        return {**dataclasses.asdict(self), **totals}
+
+    def json(self) -> str:
+        return json.dumps(self.to_json(), indent=2, default=str)
+
+    def text(self) -> str:
+        lines = [f"fuser report for {self.model} (layer by layer)", ""]
+        lines.append(f"glue kernel launches per forward: {self.launches_before} eager -> {self.launches_after} fused")
+        for i, g in enumerate(self.groups):
+            head = f"layer structure {i}: {len(g.layers)} layers ({g.layers[0]} ...)"
+            if g.report is None:
+                lines += ["", head, f"  left eager: {g.eager}"]
+            else:
+                r = g.report
+                lines += ["", f"{head}: {r.launches_before} -> {r.launches_after} launches each, {len(r.chains)} kernels shared"]
+                for name, rows in g.near_ties.items():
+                    lines.append(f"  checked against eager without tokens {rows} of {name}: near ties, where eager's own choice is not "
+                                 "settled by its input (a top-k's k-th and next scores meet, or its output moves as far with "
+                                 "its input rounded otherwise) and either result is right")
+                lines += ["  " + line for line in r.text().splitlines()]
+        for name, r in self.others.items():
+            lines += ["", f"{name}: {r.launches_before} -> {r.launches_after} launches"]
+        for name, why in self.skipped.items():
+            lines.append(f"{name}: not fused ({why})")
+        return "\n".join(lines)
+
+
+def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Module lists of two or more modules of one class (decoder layers, by their look)."""
+    return [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
+    ]  # fmt: skip
+
+
+def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options) -> ModelReport | None:
+    """Fuse ``model`` layer by layer (see the module's docstring); None when it has no stack
+    of repeated layers, each called once per forward with hidden states in and out."""
+    stacks = layer_stacks(model)
+    if not stacks:
+        return None
+    if MODEL_ATTR in model.__dict__:
+        raise FuserError(f"{type(model).__name__} is already fused; call fuser.restore() first")
+    options.pop("batch_inputs", None)  # the model's; each layer's follow the batch of its hidden states
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    layers = [(f"{name}.{i}", layer) for name, stack in stacks for i, layer in enumerate(stack)]
+    others = _other_submodules(model, {n for n, _ in stacks})
+    parents = _stack_parents(model, [n for n, _ in stacks])
+    watched = [m for _, m in layers] + [m for _, m in others] + [m for _, m in parents]
+    calls = _record_calls(model, args, kwargs, watched)
+    if not all(_is_layer_call(calls.get(id(layer))) for _, layer in layers):
+        return None  # a list of experts or the like, not a stack of layers: the module is fused whole
+    if any(is_fused(m) for m in model.modules()):
+        raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
+    report = ModelReport(type(model).__name__)
+    fused: list[nn.Module] = []
+    try:
+        for group in groups_of(layers):
+            report.groups += _fuse_group(group, calls, options, fused)
+        for name, module in others:
+            _fuse_other(name, module, calls.get(id(module)), options, report, fused)
+        batch = calls[id(layers[0][1])][0][0].shape[0]
+        for name, module in parents:  # its own forward, with its layers and submodules as leaves
+            call = calls.get(id(module))
+            own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
+                       batch_inputs=_batch_inputs(module, *call[:2], batch=batch) if call else {})  # fmt: skip
+            _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused)
+            share_within(module)
+    except BaseException:
+        for _, module in parents:
+            unshare(module)
+        for module in fused:
+            restore_module(module)
+        raise
+    model.__dict__[MODEL_ATTR] = report
+    return report
+
+
+def restore(module: nn.Module) -> None:
+    """Undo :func:`fuser.apply`, on one module or on a model fused layer by layer."""
+    if module.__dict__.pop(MODEL_ATTR, None) is not None:
+        for sub in module.modules():
+            unshare(sub)
+            if is_fused(sub):
+                restore_module(sub)
+        return
+    restore_module(module)
+
+
+# --- recording ----------------------------------------------------------------------------------
+def _record_calls(model, args, kwargs, modules) -> dict[int, tuple[tuple, dict]]:
+    """The first call of each of ``modules`` in one forward of the model: (args, kwargs), its
+    tensors cloned, and the first tensor it returned (under key ``"out"``)."""
+    calls: dict[int, Any] = {}
+    handles = []
+    # The forward runs on a copy of the call's state (a KV cache); each recorded call holds the
+    # state as it was before the forward (a layer's slot of a cache is written by that layer only).
+    args, kwargs = with_state_copied(args, kwargs)
+    before_forward = {id(v): copy.deepcopy(v) for v in torch.utils._pytree.tree_leaves((args, kwargs)) if is_state(v)}
+
+    def before(module, a, k):
+        if id(module) not in calls:
+            calls[id(module)] = [_cloned(a, before_forward), _cloned(k, before_forward), None]
+
+    def after(module, a, k, out):
+        record = calls.get(id(module))
+        if record is not None and record[2] is None:
+            first = tensors_of((out,))
+            record[2] = first[0].detach().clone() if first else None
+
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(m.register_forward_hook(after, with_kwargs=True))
+    try:
+        with preserved_state(model, tensors_of(args, kwargs)), torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: tuple(value) for key, value in calls.items()}
+
+
+def _cloned(value, states: dict):
+    def clone(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        return states.get(id(x), x)
+
+    return torch.utils._pytree.tree_map(clone, value)
+
+
+def _is_layer_call(call) -> bool:
+    """Called, with hidden states as its first argument, returning a tensor of their shape."""
+    if call is None or not call[0] or not isinstance(call[0][0], torch.Tensor) or call[2] is None:
+        return False
+    return call[2].shape == call[0][0].shape
+
+
+def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.Module]]:
+    """Submodules outside the layer stacks that may hold glue of their own (the final norm, the
+    rotary embedding): children of the model and of the stacks' parents, no GEMMs or lists."""
+    parents = {""} | {name.rpartition(".")[0] for name in stacks}
+    found = []
+    for parent in sorted(parents):
+        owner = model.get_submodule(parent) if parent else model
+        for name, child in owner.named_children():
+            qualified = f"{parent}.{name}" if parent else name
+            if qualified in stacks or isinstance(child, _HEAVY) or qualified in parents:
+                continue
+            found.append((qualified, child))
+    return found
+
+
+def _stack_parents(model: nn.Module, stacks: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules that hold the layer stacks (transformers' ``Qwen3Model``) and those above
+    them up to the model (its ``Qwen3ForCausalLM``), innermost first: their own forwards run the
+    model's glue around the layers (the positions and the causal mask; the LM head's logit
+    soft-capping)."""
+    names = set()
+    for stack in stacks:
+        parts = stack.split(".")[:-1]
+        names |= {".".join(parts[:i]) for i in range(len(parts) + 1)}
+    ordered = sorted(names, key=lambda n: -(n.count(".") + 1) if n else 1)
+    return [(name, model.get_submodule(name) if name else model) for name in ordered]
+
+
+def _children_called(module: nn.Module) -> list[str]:
+    """Every submodule a parent's forward may call, as a leaf: its children, and the items of
+    its module lists (the layers)."""
+    names = []
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            names += [f"{name}.{key}" for key, _ in child.named_children()]
+        else:
+            names.append(name)
+    return names
+
+
+# --- grouping and fusing ------------------------------------------------------------------------
+def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
+    """Fuse one structure's layers with one plan; layers whose literals or outputs differ get
+    a plan of their own. Returns the groups as fused (or left eager)."""
+    (first_name, first), rest = group[0], group[1:]
+    args, kwargs, _ = calls[id(first)]
+    try:
+        p = plan(first, args, example_kwargs=kwargs, batch_inputs=_batch_inputs(first, args, kwargs), **options)
+    except Exception as e:  # noqa: BLE001 - a structure fuser cannot fuse stays eager, reported
+        return [LayerGroup([name for name, _ in group], eager=f"{type(e).__name__}: {e}")]
+    # The plan's kernels each passed validation on the first layer's inputs; every layer,
+    # the first too, is then checked whole against its own eager forward. One that disagrees
+    # (a MoE router picking another expert on its data) stays eager; the others share the plan.
+    shared, apart, left = LayerGroup([], report=p.report), [], []
+    _install(first, p, p.constants, p.precomputed, fused)
+    problem, tied = _disagrees(first, calls[id(first)], p)
+    if problem:
+        restore_module(first)
+        fused.remove(first)
+        left.append(LayerGroup([first_name], eager=f"fused, it disagreed with eager on its inputs: {problem}"))
+    else:
+        shared.layers.append(first_name)
+        if tied:
+            shared.near_ties[first_name] = tied
+    for name, layer in rest:
+        literals = dict(zip(p.literals, read_attributes(layer, tuple(p.literals))))
+        differing = {k for k, v in literals.items() if v != p.literals[k]}
+        read = {attribute for _, _, attribute in p.read_at_run_time}
+        # An attribute the fused graph already reads at run time needs no trace to tell (the
+        # check against the layer's own eager forward below still runs).
+        if differing - read and not _traces_alike(p, first, layer, calls[id(layer)], options, fused):
+            apart.append((name, layer))  # a scalar the fused graph holds differs: its own plan
+            continue
+        precomputed = dataclasses.replace(p.precomputed, seen=(), warned=False) if p.precomputed else None
+        computed = dict(zip(p.precomputed.names, _computed(p.precomputed, layer))) if p.precomputed else {}
+        constants = {**p.traced.constants, **computed}
+        _install(layer, p, constants, precomputed, fused, literals)
+        problem, tied = _disagrees(layer, calls[id(layer)], p)
+        if problem:
+            restore_module(layer)
+            fused.remove(layer)
+            apart.append((name, layer))
+            continue
+        shared.layers.append(name)
+        if tied:
+            shared.near_ties[name] = tied
+    result = ([shared] if shared.layers else []) + left
+    for name, layer in apart:  # planned on their own: another structure in all but the look
+        result += _fuse_group([(name, layer)], calls, options, fused)
+    return result
+
+
+def _computed(precomputed, layer: nn.Module) -> tuple:
+    with torch.no_grad():
+        return tuple(v.detach().clone() for v in precomputed.compute(layer))
+
+
+def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, literals=None) -> None:
+    install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals)
+    fused.append(layer)
+
+
+def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fused: list) -> bool:
+    """Does ``layer`` trace to the graph ``p`` was planned on? A scalar attribute may look like
+    one the graph holds (``layer_idx = 1`` where the graph has a literal 1) without being read:
+    then its layers still share the plan. Where it is read only as an argument of a leaf call
+    (``past_key_values.update(k, v, self.layer_idx)``), the fused graph reads it from the layer
+    at run time instead (``p`` is changed so, and ``first`` installed again), and the layers
+    share the plan too."""
+    args, kwargs, _ = call
+    try:
+        traced = trace(layer, args, example_kwargs=kwargs, leaves=options.get("leaves", ()),
+                       batch_inputs=_batch_inputs(layer, args, kwargs))  # fmt: skip
+    except Exception:  # noqa: BLE001 - it does not trace alike
+        return False
+    if graph_key(traced.graph) == graph_key(p.traced.graph):
+        return True
+    read = attributes_read_by_leaves(p, first, layer, traced.graph)
+    if read is None:
+        return False
+    new = [r for r in read if r not in p.read_at_run_time]
+    if new:
+        for node_name, position, attribute in new:
+            read_argument_at_run_time(p.graph, node_name, position, attribute)
+        p.read_at_run_time += new
+        p.forward = compile_forward(p.graph, first)
+        if first in fused:  # (not when its own check left it eager)
+            restore_module(first)
+            fused.remove(first)
+            _install(first, p, p.constants, p.precomputed, fused)
+    return True
+
+
+def _disagrees(layer: nn.Module, call, p: Plan) -> tuple[str | None, list[int]]:
+    """The fused layer against its own eager forward on the inputs it was called with (which
+    its guard must take: else the fused forward would never run on them). Tokens where the two
+    disagree are left out of the comparison when eager's own result there is not settled by
+    its input, and either result is right: a top-k choice (a MoE router's) that is a near tie
+    in eager's own scores, where a last-bit difference picks another expert; or a choice
+    inside a leaf (an attention's top-k of positions), where eager's output moves as far with
+    its input rounded otherwise (:func:`_unsettled`). Returns the problem, or None and the
+    tokens left out."""
+    args, kwargs, expected = call
+    inputs, refused = layer.__dict__[STATE_ATTR].guard.check(args, kwargs)
+    if refused:
+        return f"its guard refuses the call the model makes: {refused}", []
+    args, kwargs = with_state_copied(args, kwargs)
+    with preserved_state(layer, tensors_of(args, kwargs)), torch.no_grad():
+        out = layer(*args, **kwargs)
+    got = tensors_of((out,))
+    if not got:
+        return "the fused layer returned no tensor", []
+    problem = mismatch(got[0], expected, "the layer's output", LAYER)
+    if problem is None or not got[0].dim():
+        return problem, []
+    disagreeing = _disagreeing(got[0], expected)
+    tied = disagreeing & _near_ties(layer, p, inputs, rows=expected.shape[0])
+    if disagreeing - tied:
+        tied |= disagreeing & _unsettled(layer, call, expected)
+    kept = rows_besides_ties(tied, expected.shape[0])
+    if kept is None:
+        return problem, []
+    return mismatch(got[0][kept], expected[kept], f"the layer's output without tokens {sorted(tied)}", LAYER), sorted(tied)
+
+
+#: Draws of :func:`_unsettled`: the input rounded otherwise this many ways.
+_REROUNDINGS = 2
+
+
+def _unsettled(layer: nn.Module, call, expected: torch.Tensor) -> set[int]:
+    """Tokens where the layer's eager forward is not settled by its input: run again with its
+    first input (the hidden states) moved by a quarter of its dtype's epsilon, randomly (one
+    ulp on about a sixth of its elements, as another rounding of the same values would), its
+    output there moves beyond the layer tolerance."""
+    args, kwargs, _ = call
+    hidden = args[0]
+    if not hidden.is_floating_point() or not hidden.dim():
+        return set()
+    found: set[int] = set()
+    generator = torch.Generator(hidden.device).manual_seed(0)
+    for _ in range(_REROUNDINGS):
+        noise = torch.randn(hidden.shape, device=hidden.device, generator=generator)
+        moved = (hidden.float() * (1 + torch.finfo(hidden.dtype).eps / 4 * noise)).to(hidden.dtype)
+        again_args, again_kwargs = with_state_copied((moved, *args[1:]), kwargs)
+        with preserved_state(layer, tensors_of(again_args, again_kwargs)), torch.no_grad():
+            out = tensors_of((type(layer).forward(layer, *again_args, **again_kwargs),))
+        if out and out[0].shape == expected.shape:
+            found |= _disagreeing(out[0], expected)
+    return found
+
+
+def _disagreeing(got: torch.Tensor, expected: torch.Tensor) -> set[int]:
+    """Tokens (rows) where ``got`` is beyond the layer tolerance of ``expected``."""
+    return {t for t in range(expected.shape[0]) if mismatch(got[t], expected[t], "a token", LAYER) is not None}
+
+
+def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
+    """Rows (tokens) where a top-k of the traced graph, run eagerly on ``inputs``, has its k-th
+    and next-best scores within NEAR_TIE of each other."""
+    topks = [n for n in p.traced.graph.nodes if n in p.cops and p.cops[n].op == "topk"]
+    if not topks:
+        return set()
+    scores: dict = {}
+
+    class Scores(torch.fx.Interpreter):
+        def run_node(self, n):
+            if n in topks:
+                scores[n] = self.env[p.cops[n].args[0]]
+            return super().run_node(n)
+
+    graph_inputs = p.traced.fresh_inputs(inputs)
+    with preserved_state(layer, [x for x in graph_inputs if isinstance(x, torch.Tensor)]), torch.no_grad():
+        Scores(p.traced.graph_module(layer)).run(*graph_inputs)
+    tied: set[int] = set()
+    for node, value in scores.items():
+        if value.dim() == 2 and value.shape[0] == rows:
+            tied |= near_tie_rows(value, p.cops[node].attr("k"), p.cops[node].attr("largest"))
+    return tied
+
+
+def _batch_inputs(layer: nn.Module, args, kwargs, batch: int | None = None) -> dict[str, int]:
+    """The layer's tensor inputs that follow the batch of its hidden states (dim 0 of the same
+    size; or of ``batch``, for a module above the layers: the layers' batch); the rest (rotary
+    tables of one position for all sequences) are the same for all."""
+    call = CallSpec.of(layer.forward, args, kwargs)
+    tensors, _ = call.flatten(args, kwargs)
+    batch = args[0].shape[0] if batch is None else batch
+    return {n: 0 for n, t in zip(call.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
+
+
+def _fuse_other(name, module, call, options, report: ModelReport, fused: list) -> None:
+    if call is None:
+        return  # not called by the forward
+    args, kwargs, _ = call
+    if not tensors_of(args, kwargs):
+        report.skipped[name] = "called with no tensor"
+        return
+    try:
+        p = plan(module, args, example_kwargs=kwargs, **options)
+    except Exception as e:  # noqa: BLE001 - reported; the rest of the model is fused
+        report.skipped[name] = f"{type(e).__name__}: {e}"
+        return
+    if p.report.launches_after >= p.report.launches_before:
+        report.skipped[name] = "no glue a kernel saves launches on"
+        return
+    _install(module, p, p.constants, p.precomputed, fused)
+    report.others[name] = p.report

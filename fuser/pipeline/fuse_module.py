@@ -1,0 +1,301 @@
+"""pipeline: fusing one module end to end — trace, canonicalize, the planning passes
+(:mod:`fuser.pipeline.passes`: match, group, grow, validate, place) — into a :class:`Plan` (the fused
+forward, its guard, the report), and :func:`apply_plan`, which splices it into the module.
+
+:mod:`fuser.api` (``fuser.apply``, ``explain``, ``check``) calls it, directly for one module
+and through :mod:`fuser.model.fuse_model` for a model of repeated layers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from fuser.canon.canonicalize import COMPUTE, INPUT, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
+from fuser.install.copies import copy_kernels, install_copies, report_copies
+from fuser.codegen.emit import template_names
+from fuser.install.kv_cache import write_in_one_kernel
+from fuser.codegen.kernel import Kernel
+from fuser.pipeline.passes import planning, run_passes
+from fuser.match.pattern_files import load_patterns
+from fuser.regions.builder import fusible
+from fuser.ir.report import FusedChain, Report, Unfused
+from fuser.install.fused_graph import compile_forward, rewrite_graph
+from fuser.install.once_per_forward import once_per_forward, shareable
+from fuser.install.splice import AlreadyFused, Guard, Precomputed, install, is_fused, module_lock, precomputation
+from fuser.trace.call_spec import CallSpec
+from fuser.trace.tracing import Traced, batch_dims_of, preserved_state, trace
+
+
+class FuserError(Exception):
+    """fuser could not fuse the module; the module is left exactly as it was."""
+
+
+@dataclass
+class Plan:
+    traced: Traced
+    kernels: list[Kernel]
+    graph: fx.Graph
+    forward: Callable
+    guard: Guard
+    report: Report
+    constants: dict = field(default_factory=dict)  # attribute name -> value computed from parameters
+    cops: dict = field(default_factory=dict)  # node -> its canonical op
+    # (node, argument position, attribute) of leaf-call arguments the fused graph reads from the
+    # module at run time rather than as the literal traced (fuser.model.fuse_model: a layer's index)
+    read_at_run_time: list = field(default_factory=list)
+    precomputed: Precomputed | None = None  # how to recompute ``constants`` when their parameters change
+    literals: dict = field(default_factory=dict)  # module scalar attribute (dotted path) -> value fused in
+
+
+def plan(
+    module: torch.nn.Module,
+    example_inputs,
+    *,
+    example_kwargs: dict | None = None,
+    leaves: Iterable = (),
+    patterns: Iterable = (),
+    guard: Callable[..., bool] | None = None,
+    batch_inputs: dict[str, int] | None = None,
+    validate: bool = True,
+    precompute: bool = True,
+) -> Plan:
+    """Everything :func:`apply` does except installing the fused forward."""
+    _check_example_inputs(module, example_inputs, example_kwargs, batch_inputs)
+    on_cpu = any(x.device.type == "cpu" for x in tensors_of(example_inputs, example_kwargs))
+    if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise FuserError("the example inputs are on the CPU: fused kernels run there only in Triton's interpreter; set TRITON_INTERPRET=1")
+    traced = trace(module, example_inputs, example_kwargs=example_kwargs, leaves=leaves, batch_inputs=batch_inputs)
+    cops = canonicalize(traced)
+    all_patterns = load_patterns(list(patterns), template_names())
+    planned = run_passes(planning(module, traced, cops, all_patterns, validate))
+    kernels, rejected, failed = planned.kernels, planned.rejected, planned.failed
+    regions = [k.region for k in kernels]
+    # precompute=False: every value is read from the live parameters at each call (weights that
+    # are loaded or updated after fusing are seen); parameter-only glue then runs every step.
+    covered = set().union(*(r.covered for r in regions)) if regions else set()
+    constants = _parameter_only(traced, cops, covered) if precompute else {}
+    copies, kept = copy_kernels(traced, cops, {n for n in cops if n not in covered and n not in constants})
+    failed.update(kept)
+    shared = [k for k in kernels if shareable(k.region, cops)]
+    launchers = {i: once_per_forward(k.launch) if k in shared else k.launch for i, k in enumerate(kernels)}
+    graph, survivors = rewrite_graph(traced.graph, cops, regions, launchers, {n: a for n, (a, _) in constants.items()})
+    install_copies(graph, copies)
+    cache_writes = write_in_one_kernel(graph, traced)
+    forward = compile_forward(graph, module)
+    report = _report(module, traced, cops, kernels, rejected, failed, survivors)
+    report_copies(report, copies)
+    report.precomputed = [n.name for n in constants]
+    report.literals = captured_literals(module, traced)
+    report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
+    report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
+    report.attention_calls = [r.line() for r in traced.attention_calls]
+    report.shared = [k.path.stem for k in shared]
+    report.launches_before += sum(r.copies_removed for r in traced.attention_calls)  # eager still makes them
+    for leaf in report.automatic_leaves:
+        if leaf["name"] in cache_writes:
+            leaf["reason"] += "; a plain layer of transformers' StaticCache is written by one kernel (fuser.install.kv_cache)"
+    p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
+    p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
+    p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
+    p.literals = dict(report.literals)
+    p.cops = cops
+    return p
+
+
+def _check_example_inputs(module: torch.nn.Module, example_inputs, example_kwargs, batch_inputs) -> None:
+    """Refuse example inputs fuser cannot trace on, naming the input or parameter at fault:
+    no tokens (the trace grows the batch from its first row), meta tensors (no data to run
+    on), or inputs and parameters on different devices."""
+    try:
+        call = CallSpec.of(module.forward, tuple(example_inputs), example_kwargs or {})
+    except TypeError as e:
+        raise FuserError(f"the example inputs do not fit {type(module).__name__}.forward: {e}") from None
+    values, _ = call.flatten(tuple(example_inputs), example_kwargs or {})
+    names = call.names
+    batch = batch_dims_of(call, values, batch_inputs)
+    for name, value in zip(names, values):
+        dim = batch.get(name)
+        if dim is not None and dim < value.dim() and value.shape[dim] == 0:
+            raise FuserError(f"example inputs need at least one token: input `{name}` has size 0 at dim {dim}")
+    tensors = [(f"input `{n}`", v) for n, v in zip(names, values) if isinstance(v, torch.Tensor)]
+    tensors += [(f"parameter `{n}`", p) for n, p in module.named_parameters()]
+    for what, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise FuserError(f"{what} is on the meta device: fuser runs the module on the example inputs, which needs real data")
+    if not tensors:
+        return
+    first, device = tensors[0][0], tensors[0][1].device
+    for what, tensor in tensors[1:]:
+        if tensor.device != device:
+            raise FuserError(
+                f"{what} is on {tensor.device} but {first} is on {device}: the example inputs and the "
+                "parameters must be on one device"
+            )
+
+
+def _literals_in(value, found: set) -> None:
+    """Collect the int and float literals in a node's arguments (nested in tuples, lists, dicts, slices)."""
+    if type(value) in (int, float):
+        found.add((type(value), value))
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _literals_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _literals_in(v, found)
+    elif isinstance(value, slice):
+        _literals_in((value.start, value.stop, value.step), found)
+
+
+def captured_literals(module: torch.nn.Module, traced: Traced) -> dict[str, int | float]:
+    """The module's scalar attributes the fused graph holds as literals, by dotted path: each
+    public int or float attribute of the module or a submodule whose value appears as a literal
+    in the nodes traced inside that submodule (``self.eps`` of a norm, say). The trace read them
+    once: the fused graph keeps the value they had at apply time."""
+    literals: dict[str, set] = {}
+    for node in traced.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        owner = next(reversed(stack.values()))[0] if stack else ""
+        _literals_in((node.args, node.kwargs), literals.setdefault(owner, set()))
+    found = {}
+    for owner, values in literals.items():
+        try:
+            submodule = module.get_submodule(owner)
+        except AttributeError:
+            continue
+        for name, value in vars(submodule).items():
+            scalar = type(value) in (int, float) and not name.startswith("_")
+            if scalar and (type(value), value) in values:
+                found[f"{owner}.{name}" if owner else name] = value
+    return dict(sorted(found.items()))
+
+
+CONSTANT_PREFIX = "_fuser_const_"
+
+
+def _parameter_only(traced: Traced, cops, covered: set) -> dict[fx.Node, tuple[str, torch.Tensor]]:
+    """Glue that reads parameters only (a weight's cast, say): computed once, here, and read
+    from an attribute at every call instead. Returns node -> (attribute name, value)."""
+    from_parameters: set[fx.Node] = set()
+    for node in traced.graph.nodes:
+        cop = cops.get(node)
+        if cop is None:
+            continue
+        if node.op == "get_attr" and isinstance(traced.value(node), torch.nn.Parameter):
+            from_parameters.add(node)
+        elif cop.kind in (COMPUTE, UNIT_VIEW, VIEW) and node.all_input_nodes and all(
+            a in from_parameters for a in node.all_input_nodes
+        ):
+            from_parameters.add(node)
+    chosen = {}
+    for node in traced.graph.nodes:
+        cop = cops.get(node)
+        if node in from_parameters and node not in covered and cop.kind == COMPUTE and cop.op != "identity":
+            # The outermost such value only (what it is computed from is then unused), or one
+            # a kernel reads (Gemma's `1.0 + weight.float()`: the add joins the norm's kernel).
+            if any(u not in from_parameters or u in covered for u in node.users):
+                chosen[node] = (f"{CONSTANT_PREFIX}{len(chosen)}", traced.value(node).detach().clone())
+    return chosen
+
+
+def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:
+    glue = [n for n in traced.graph.nodes if n in cops and is_glue(cops[n])]
+    # Fused: replaced by a kernel, or computed again inside the kernels that read it.
+    covered = {n for n in glue if n not in survivors}
+    report = Report(module=type(module).__name__, rejected=rejected)
+    report.glue_nodes_before = len(glue)
+    report.launches_before = sum(eager_launches(cops[n]) for n in glue)
+    for k in kernels:
+        r = k.region
+        report.chains.append(
+            FusedChain(
+                kernel=k.path.stem,
+                path=str(k.path),
+                template=r.template,
+                pattern=r.pattern,
+                params=r.params,
+                nodes=[n.name for n in sorted(r.covered, key=lambda n: n.name)],
+                inputs=[n.name for n in r.inputs],
+                outputs=[n.name for n in r.outputs],
+                launches_replaced=sum(eager_launches(cops[n]) for n in r.covered),
+            )
+        )
+    for node in glue:
+        if node in covered:
+            continue
+        cop = cops[node]
+        launches = eager_launches(cop)
+        if launches == 0:
+            continue  # views and no-ops cost nothing; they stay as they are
+        reason = failed.get(node) or _reason(node, cops, covered)
+        if _token_free(traced, node) and cop.kind != MUTATION:
+            reason = "depends only on parameters, but is not computed from them alone here; " + reason
+        report.unfused.append(Unfused(node.name, cop.op, reason, launches))
+    report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
+    report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
+    return report
+
+
+def _token_free(traced: Traced, node: fx.Node) -> bool:
+    """Is the node computed from parameters alone (no graph input upstream)?"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return False
+        if n not in seen:
+            seen.add(n)
+            stack += n.all_input_nodes
+    return True
+
+
+def _reason(node: fx.Node, cops, covered: set) -> str:
+    cop = cops[node]
+    if cop.op == "reshape_copy":
+        return "a reshape PyTorch must copy (no view fits its input's layout): runs as that copy"
+    if cop.kind == UNSUPPORTED or (cop.kind == COMPUTE and not fusible(cop)):
+        return f"no template lowers {cop.op}"
+    if cop.kind == MUTATION:
+        return "in-place write: kept in program order, never fused across"
+
+    def describe(n):
+        if n in covered:
+            return f"{n.name} (fused elsewhere)"
+        return f"{n.name} ({cops[n].kind if n in cops else n.op})"
+
+    around = [describe(n) for n in node.all_input_nodes if cops.get(n) and cops[n].kind != INPUT]
+    around += [describe(u) for u in node.users]
+    return "alone: its neighbours " + ", ".join(around[:4]) + (" ..." if len(around) > 4 else "") + " cannot share its kernel"
+
+
+def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
+    """:func:`apply`, returning the whole plan (kernels, graph, report)."""
+    name = type(module).__name__
+    with module_lock(module):  # a concurrent apply of the same module waits, then is refused
+        if is_fused(module):
+            raise FuserError(f"{name} is already fused; call fuser.restore() first")
+        with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
+            try:
+                p = plan(module, example_inputs, **options)
+            except Exception as e:
+                raise FuserError(f"fuser.apply left {name} unchanged: {e}") from e
+        try:
+            install(module, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals)
+        except AlreadyFused as e:
+            raise FuserError(str(e)) from e
+    return p
+
+
+
+
+def tensors_of(args, kwargs=None) -> list[torch.Tensor]:
+    """Every tensor of a call, nested in tuples, lists and dicts too."""
+    leaves = torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+

@@ -1,0 +1,8 @@
+"""serving: fuser inside a serving engine, lazily and never inside a CUDA-graph capture.
+
+Engine-neutral: the mode splice and lazy fusion at a layer's first eligible call
+(:mod:`~fuser.serving.lazy_fusion`), which submodules are fused (:mod:`~fuser.serving.targets`),
+the closure seam (:mod:`~fuser.serving.closures`), engine-wide flags read as guarded values
+(:mod:`~fuser.serving.global_reads`) and the options (:mod:`~fuser.serving.options`). An engine's
+adapter lives in :mod:`fuser.serving.engines`.
+"""

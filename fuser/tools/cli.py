@@ -1,0 +1,335 @@
+"""The ``fuser`` command: explain, check, profile and bench a module given as ``FILE.py:FACTORY``.
+
+FACTORY is any function in FILE.py that returns ``(module, example_inputs)``.
+
+Exit codes: 0 ok, 1 a mismatch (``check``, ``test-pattern``), 2 a usage or input error (a
+missing file or factory, a factory that raises, a bad pattern file, a module fuser refuses),
+3 an internal error of fuser (``FUSER_DEBUG=1`` prints its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+
+from fuser import __version__
+
+OK, MISMATCH, USAGE, INTERNAL = 0, 1, 2, 3
+
+_FUSER_DIR = Path(__file__).resolve().parent.parent  # the fuser package
+
+
+class UsageError(Exception):
+    """A mistake in the command line or in what it names: exit 2, one line on stderr."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _frame_in(error: BaseException, file: Path) -> str:
+    """``file:line`` of the innermost traceback frame in ``file``, or ``file``."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else str(file)
+
+
+def load_factory(spec: str):
+    """``path/to/file.py:factory`` -> the factory function (UsageError if there is none)."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        raise UsageError(f"expected FILE.py:FACTORY, got {spec!r}")
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise UsageError(f"{path}: no such file")
+    sys.path.insert(0, str(Path.cwd()))
+    module_spec = importlib.util.spec_from_file_location(f"_fuser_factory_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure to import the user's file is the input's
+        raise UsageError(f"{_frame_in(e, file)}: cannot load {path}: {_first_line(e)}") from e
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise UsageError(f"{path} has no function {name!r}")
+    return factory
+
+
+def build(spec: str, **factory_args):
+    """Call the factory of ``FILE.py:FACTORY``: ``(module, args, kwargs)`` (a factory returns
+    ``(module, example_inputs)`` or ``(module, args, kwargs)``)."""
+    from fuser.trace.call_spec import example_call
+
+    factory = load_factory(spec)
+    file = Path(spec.rpartition(":")[0]).resolve()
+    try:
+        result = factory(**factory_args)
+    except Exception as e:  # noqa: BLE001 - the user's factory failed, not fuser
+        raise UsageError(f"{_frame_in(e, file)}: {factory.__name__}() raised {_first_line(e)}") from e
+    try:
+        return example_call(result)
+    except TypeError as e:
+        raise UsageError(f"{spec}: {e}") from None
+
+
+def resolve_leaves(module, names) -> list:
+    """``--leaf`` names -> trace leaves: a submodule's qualified name as is, a module class
+    name (of any submodule) as that class, ``package.module.function`` as that function."""
+    import torch
+
+    submodules = dict(module.named_modules()) if isinstance(module, torch.nn.Module) else {}
+    classes = {type(m).__name__: type(m) for m in submodules.values()}
+    leaves = []
+    for name in names or ():
+        if name and name in submodules:
+            leaves.append(name)
+        elif name in classes:
+            leaves.append(classes[name])
+        elif (function := _function_at(name)) is not None:
+            leaves.append(function)
+        else:
+            known = ", ".join(n for n in submodules if n and "." not in n)
+            raise UsageError(
+                f"--leaf {name!r} names no submodule, module class or function of {type(module).__name__}"
+                f" (its submodules: {known or 'none'})"
+            )
+    return leaves
+
+
+def _function_at(path: str):
+    """The function a dotted path ``package.module.function`` names, or None."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        value = getattr(importlib.import_module(module_name), attr, None)
+    except Exception:  # noqa: BLE001 - not an importable module: not a function path
+        return None
+    return value if callable(value) and not isinstance(value, type) else None
+
+
+def _use_interpreter_without_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's CPU interpreter
+
+
+def _options(args, module, kwargs) -> dict:
+    return {"leaves": resolve_leaves(module, args.leaf), "patterns": args.patterns or (), "example_kwargs": kwargs}
+
+
+def cmd_explain(args) -> int:
+    import fuser
+
+    module, inputs, kwargs = build(args.target)
+    report = fuser.explain(module, inputs, **_options(args, module, kwargs))
+    print(report.json() if args.json else report.text())
+    return OK
+
+
+def cmd_check(args) -> int:
+    import fuser
+
+    module, inputs, kwargs = build(args.target)
+    result = fuser.check(module, inputs, **_options(args, module, kwargs))
+    if args.json:
+        print(json.dumps({"ok": result.ok, "problems": result.problems, "compared": result.compared}, indent=2))
+    else:
+        print(result.text())
+    return OK if result.ok else MISMATCH
+
+
+def cmd_profile(args) -> int:
+    from fuser.tools.profile import profile
+
+    module, inputs, kwargs = build(args.target)
+    chains = profile(module, inputs, **_options(args, module, kwargs)).chains
+    on_gpu = any(c.gpu_us is not None for c in chains)
+    if args.json:
+        cost = "gpu_us" if on_gpu else "launches"
+        print(json.dumps({"module": type(module).__name__, "cost": cost, "chains": [c.to_json() for c in chains]}, indent=2))
+        return OK
+    where = "eager CUDA time" if on_gpu else "eager kernel launches"
+    print(f"glue chains of {type(module).__name__}, costliest first ({where}):")
+    for chain in chains:
+        print("  " + chain.describe())
+    return OK
+
+
+def cmd_suggest(args) -> int:
+    from fuser.tools.profile import profile, skeleton, suggestion_target
+
+    if args.out and Path(args.out).exists() and not args.force:
+        raise UsageError(f"{args.out} exists; pass --force to overwrite it")
+    module, inputs, kwargs = build(args.target)
+    result = profile(module, inputs, **_options(args, module, kwargs))
+    target = suggestion_target(result)
+    if target is None:
+        message = "nothing to suggest: every glue chain is claimed by a pattern"
+        print(json.dumps({"chain": None, "file": None, "source": None}) if args.json else f"fuser: {message}")
+        return OK
+    source = skeleton(target, result.traced, result.cops, Path(args.out).stem if args.out else "new_chain")
+    if args.out:
+        Path(args.out).write_text(source)
+    if args.json:
+        print(json.dumps({"chain": target.to_json(), "file": args.out, "source": source}, indent=2))
+    elif args.out:
+        print(f"wrote {args.out} for: {target.describe()}")
+    else:
+        print(source)
+    return OK
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("bench needs a CUDA GPU and there is none here (`fuser profile` ranks the chains on the CPU)")
+    from fuser.tools import bench
+
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    variants = tuple(args.variants.split(","))
+    result = bench.run(load_factory(args.target), args.target, tokens, variants)
+    paths = bench.write(result, Path(args.out), args.name)
+    print(result.markdown())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return OK
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("tune times kernels on a CUDA GPU and there is none here")
+    from fuser.tools import bench
+    from fuser.codegen.launch_config import TABLE_DIR, current_gpu
+    from fuser.tools.tune import tune, write_table
+
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    module, inputs, kwargs = build(args.target, T=max(tokens), device="cuda")
+    entries = tune(module, inputs, kwargs, tokens)
+    about = {**bench.stamp(), "tokens": list(tokens)}
+    path = write_table(entries, Path(args.out) if args.out else TABLE_DIR, current_gpu(), about)
+    slow = [e for e in entries if e["heuristic_over_best"] > 1.1]
+    print(f"wrote {path}: {len(entries)} kernels; the heuristic is within 10% of the best on {len(entries) - len(slow)}")
+    if args.out:
+        print(f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
+    return OK
+
+
+def cmd_test_pattern(args) -> int:
+    from fuser.testing import run_pattern_file
+
+    return run_pattern_file(args.file)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="fuser",
+        description=__doc__.strip().splitlines()[0].replace("``", ""),
+        epilog="exit codes: 0 ok, 1 mismatch, 2 usage or input error, 3 internal error (FUSER_DEBUG=1: traceback)",
+    )
+    top.add_argument("--version", action="version", version=f"fuser {__version__}", help="print fuser's version and exit")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, fn, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(fn=fn)
+        return p
+
+    def module_options(p: argparse.ArgumentParser, json_help: str = "machine-readable output (JSON)") -> None:
+        p.add_argument(
+            "target", metavar="FILE.py:FACTORY", help="a function in FILE.py returning (module, args) or (module, args, kwargs)"
+        )
+        p.add_argument("--json", action="store_true", help=json_help)
+        p.add_argument(
+            "--leaf", action="append", metavar="NAME",
+            help="keep this opaque: a submodule name, a module class name or package.module.function (repeatable)",
+        )  # fmt: skip
+        p.add_argument("--patterns", action="append", metavar="PATH", help="an extra pattern file or directory (repeatable)")
+
+    module_options(command("explain", cmd_explain, "what fuser fuses in the module, what it rejects and why"))
+    module_options(command("check", cmd_check, "run fused vs eager on the factory's inputs; exit 1 on mismatch"))
+    module_options(command("profile", cmd_profile, "rank the glue chains by cost, with what fuser does to each"))
+    p = command("suggest", cmd_suggest, "draft a pattern file for the costliest glue no pattern claims")
+    module_options(p, "print the chain, the file written and the draft as JSON")
+    p.add_argument("-o", "--out", metavar="FILE.py", help="write the pattern file here (default: print it)")
+    p.add_argument("--force", action="store_true", help="overwrite the --out file if it exists")
+    p = command("bench", cmd_bench, "eager vs torch.compile vs fuser on the GPU, each replayed in a CUDA graph")
+    p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
+    p.add_argument("--tokens", default="1,8,32,128,512", help="token counts, comma-separated (default: %(default)s)")
+    p.add_argument("--variants", default="eager,compile,fuser", help="what to time, comma-separated (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the .json and .md results (default: %(default)s)")
+    p.add_argument("--name", default="bench", help="file name stem of the results (default: %(default)s)")
+    p = command("tune", cmd_tune, "choose each fused kernel's warps on this GPU, offline; writes a launch table")
+    p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
+    p.add_argument("--tokens", default="8,256", help="token counts to time at, comma-separated (default: %(default)s)")
+    p.add_argument("--out", metavar="DIR", help="directory of the table (default: fuser's own launch_configs/)")
+    p = command("test-pattern", cmd_test_pattern, "golden-test a pattern file on its own; exit 1 on mismatch, 2 if invalid")
+    p.add_argument("file", metavar="FILE.py", help="the pattern file")
+    return top
+
+
+def _user_frame_of(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of ``error`` in the user's own code (a module's
+    forward that fuser was tracing, say): neither fuser, torch, an installed package nor the
+    standard library. None if the error comes from fuser alone."""
+    import torch
+
+    library = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    library = tuple(str(Path(p).resolve()) for p in library | {Path(torch.__file__).parent, _FUSER_DIR} if p)
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not str(Path(frame.filename).resolve()).startswith(library):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+def run(args) -> int:
+    """Run the command; errors as one line on stderr and their exit code."""
+    from fuser.pipeline.fuse_module import FuserError
+    from fuser.codegen.emit import TemplateError
+    from fuser.pattern import PatternError
+    from fuser.trace.tracing import TraceRefused
+
+    try:
+        return args.fn(args)
+    except BrokenPipeError:
+        raise
+    except (UsageError, FuserError, PatternError, TemplateError, TraceRefused) as e:
+        print(f"fuser: {e}", file=sys.stderr)
+        return USAGE
+    except Exception as e:  # noqa: BLE001 - anything else: one line, the traceback on request
+        if os.environ.get("FUSER_DEBUG") == "1":
+            traceback.print_exc()
+        where = _user_frame_of(e)
+        if where:  # raised in the user's code (the module's forward, say)
+            print(f"fuser: {where}: {_first_line(e)}", file=sys.stderr)
+            return USAGE
+        print(f"fuser: internal error: {_first_line(e)} (run with FUSER_DEBUG=1 for the traceback)", file=sys.stderr)
+        return INTERNAL
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        _use_interpreter_without_gpu()
+        code = run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`fuser explain ... | head`): stop quietly. Python would flush
+        # stdout again at exit and fail on it, so point it at devnull first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

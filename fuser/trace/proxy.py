@@ -1,0 +1,140 @@
+"""shadow_proxy: :class:`ShadowProxy`, the fx proxy of :mod:`fuser.trace.tracer` that carries
+the two real values a traced node takes (at batch sizes T and T+1; :mod:`fuser.trace.tracing`).
+Metadata reads answer from them: a static size as an ``int``, one that follows the batch as a
+node. What the graph cannot replay (a branch on a traced value, a host read) is refused.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fuser.trace.refusal import refuse
+
+
+class ShadowProxy(fx.Proxy):
+    """A proxy that also carries the two real values the node takes."""
+
+    shadow: tuple[Any, Any]
+
+    # --- metadata reads: static answers where both shadows agree ---------------------------
+    def _tensor(self) -> torch.Tensor:
+        value = self.shadow[0]
+        if not isinstance(value, torch.Tensor):
+            raise refuse(f"tensor metadata asked of a {type(value).__name__}", "")
+        return value
+
+    def size(self, dim: int | None = None):
+        a, b = self.shadow
+        if dim is None:
+            return tuple(self.size(i) for i in range(a.dim()))
+        if a.shape[dim] == b.shape[dim]:
+            return int(a.shape[dim])
+        return self.tracer.create_proxy("call_method", "size", (self, dim), {})
+
+    @property
+    def shape(self):
+        return self.size()
+
+    def dim(self) -> int:
+        return self._tensor().dim()
+
+    ndimension = dim
+
+    @property
+    def ndim(self) -> int:
+        return self._tensor().dim()
+
+    @property
+    def dtype(self):
+        return self._tensor().dtype
+
+    @property
+    def device(self):
+        return self._tensor().device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._tensor().is_cuda
+
+    def numel(self):
+        a, b = self.shadow
+        if a.numel() == b.numel():
+            return a.numel()
+        return self.tracer.create_proxy("call_method", "numel", (self,), {})
+
+    def is_contiguous(self, *args, **kwargs) -> bool:
+        a, b = self.shadow
+        answer = a.is_contiguous(*args, **kwargs)
+        if answer != b.is_contiguous(*args, **kwargs):
+            raise refuse("is_contiguous() depends on the batch size", "Make the layout static.")
+        return answer
+
+    # --- what cannot be traced ---------------------------------------------------------------
+    def __bool__(self):
+        answer = _decided_for_any_tokens(self.node)
+        if answer is not None:
+            return answer  # `if x.shape[0] == 0: return ...`: the guard runs no call without tokens
+        raise refuse(
+            "Python control flow on a traced value (it depends on the batch size or on tensor data)",
+            "Branch on static sizes only, or move this code into an opaque leaf (@fuser.opaque).",
+        )
+
+    def __len__(self):
+        value = self.shadow[0]
+        if isinstance(value, (tuple, list)):
+            return len(value)
+        size = self.size(0)
+        if isinstance(size, int):
+            return size
+        raise refuse("len() of a tensor whose first dim is the batch", "Use x.shape[0] in tensor ops.")
+
+    def __iter__(self):
+        value = self.shadow[0]
+        if isinstance(value, (tuple, list)):
+            return iter([self[i] for i in range(len(value))])
+        raise refuse("iteration over a traced tensor", "Index it explicitly or make it an opaque leaf.")
+
+    def _host_sync(self, *args, **kwargs):
+        raise refuse(
+            "a host read of a traced tensor (.item()/.tolist()/data_ptr(); a sync the graph cannot replay)",
+            "Keep it on the device, or move this code into an opaque leaf (@fuser.opaque).",
+        )
+
+    item = tolist = numpy = data_ptr = __int__ = __float__ = __index__ = _host_sync
+
+    def __setitem__(self, index, value):
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)  # private probes (e.g. Parameter's _is_param)
+        value = self.shadow[0] if "shadow" in self.__dict__ else None
+        attr = getattr(value, name, None)
+        if self.node in self.tracer.state_paths and hasattr(value, name) and not callable(attr):
+            return self.tracer.read_state(self, name, attr)
+        if callable(attr) or attr is None:
+            return super().__getattr__(name)  # a method: an fx Attribute, called later
+        return self.tracer.create_proxy("call_function", builtins.getattr, (self, name), {})
+
+
+_COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
+
+
+def _decided_for_any_tokens(node: fx.Node) -> bool | None:
+    """The answer of ``size op c`` (a token count ``x.shape[0]`` or ``x.numel()`` against an int
+    constant) when it is the same for every count from one token up; else None."""
+    if node.op != "call_function" or node.target not in _COMPARISONS or len(node.args) != 2:
+        return None
+    a, b = node.args
+    flipped = not isinstance(a, fx.Node)
+    size, constant = (b, a) if flipped else (a, b)
+    counts = isinstance(size, fx.Node) and size.op == "call_method" and size.target in ("size", "numel")
+    if not counts or isinstance(constant, bool) or not isinstance(constant, int):
+        return None
+    answers = {node.target(constant, n) if flipped else node.target(n, constant) for n in (1, 1 << 40)}
+    return answers.pop() if len(answers) == 1 and constant <= 1 else None

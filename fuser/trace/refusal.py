@@ -1,0 +1,68 @@
+"""where: the user's line behind a trace step, and the refusal that names it.
+
+Tracing runs the user's code, torch's and fuser's own; a message names the innermost line of
+the first kind (the model's file, a helper of its library), never a line of torch or fuser.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+
+import torch
+import torch.fx as fx
+
+UNKNOWN_LOCATION = "<unknown location>"
+
+_FUSER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fuser package
+_FUSER_PATTERNS = os.path.join(_FUSER_DIR, "patterns")
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) for m in (torch, inspect, fx) if getattr(m, "__file__", None)
+)
+
+
+class TraceRefused(Exception):
+    """The module does something the tracer will not guess about. Names the user's line."""
+
+    location = UNKNOWN_LOCATION  # file:line of that code, when known
+
+
+def is_library_file(filename: str) -> bool:
+    """Code of torch, Triton, the standard library or fuser itself (its pattern files aside)."""
+    path = os.path.abspath(filename)
+    if path.startswith(_FUSER_DIR) and not path.startswith(_FUSER_PATTERNS):
+        return True
+    return path.startswith(_LIBRARY_DIRS) or "/triton/" in path or filename.startswith("<frozen")
+
+
+def innermost_user_frame(frames) -> traceback.FrameSummary | None:
+    """The innermost of ``frames`` outside fuser, torch and the stdlib."""
+    return next((f for f in reversed(frames) if not is_library_file(f.filename)), None)
+
+
+def describe(frame: traceback.FrameSummary | None, code: bool = False) -> str:
+    """``file:line`` of ``frame`` (and ``: `code``` with ``code``)."""
+    if frame is None:
+        return UNKNOWN_LOCATION
+    line = (frame.line or "").strip() if code else ""
+    return f"{frame.filename}:{frame.lineno}" + (f": `{line}`" if line else "")
+
+
+def calling_line() -> str:
+    """``file:line`` of the user's code running now."""
+    return describe(innermost_user_frame(traceback.extract_stack()))
+
+
+def error_location(error: Exception) -> str:
+    """``file:line`` where ``error`` was raised, outside fuser, torch and the stdlib."""
+    if isinstance(error, TraceRefused):
+        return error.location
+    return describe(innermost_user_frame(traceback.extract_tb(error.__traceback__)))
+
+
+def refuse(what: str, fix: str) -> TraceRefused:
+    frame = innermost_user_frame(traceback.extract_stack())
+    error = TraceRefused(f"{describe(frame, code=True)}: {what}. {fix}")
+    error.location = describe(frame)
+    return error

@@ -1,0 +1,422 @@
+"""shadow_tracer: :class:`ShadowTracer`, the fx tracer behind :func:`fuser.trace.tracing.trace`. It
+records each op and runs it eagerly on the shadow values (:mod:`fuser.trace.proxy`), keeps
+leaves and calls given state opaque (:mod:`fuser.trace.leaves`), and while it traces patches
+process-wide hooks: ``isinstance`` in traced code sees through proxies, and a CUDA stream
+switch or a traced value assigned to a module attribute is refused.
+"""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import dataclasses
+import sys
+import threading
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+from torch.utils import _pytree as pytree
+
+from fuser.trace.leaves import (
+    LEAF,
+    AutomaticLeaf,
+    compiled_functions,
+    custom_op,
+    kernel_launches_as_leaves,
+    patched_leaf_functions,
+)
+from fuser.ir.opaque import is_opaque
+from fuser.trace.proxy import ShadowProxy
+from fuser.trace.call_spec import CallSpec, StateRead, read_as_value
+from fuser.trace.refusal import calling_line, error_location, is_library_file, refuse
+
+# Module types kept opaque whatever the user says: the heavy ops of a decode layer.
+DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
+
+
+def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
+    if kind == "call_function":
+        return target(*args, **kwargs)
+    if kind == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    if kind == "call_module":
+        return root.get_submodule(target)(*args, **kwargs)
+    if kind == "get_attr":
+        obj = root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise AssertionError(kind)
+
+
+def _holds_proxies(value) -> bool:
+    """Does a dataclass hold a traced value in a field (or inside a tuple, list or dict there)?"""
+    fields = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    return any(isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves(fields))
+
+
+class ShadowTracer(fx.Tracer):
+    """fx tracer with shadow values, an opaque-leaf policy and refusals with locations."""
+
+    def __init__(
+        self,
+        leaf_names: Iterable[str] = (),
+        leaf_types: Sequence[type] = (),
+        leaf_functions: Sequence[Callable] = (),
+        counters: Iterable[tuple] = (),
+    ):
+        super().__init__(param_shapes_constant=True)
+        self.counters = set(counters)  # getters (state, path) the forward changes: leaves, never values
+        self.leaf_functions = list(leaf_functions)  # patched where they are held: fuser.trace.leaves
+        self.noted: list[AutomaticLeaf] = []  # calls into compiled code, kept as one call each
+        self.leaf_names = set(leaf_names)
+        self.leaf_types = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_types)
+        self.shadows: dict[str, tuple[Any, Any]] = {}
+        self._placeholder_values: dict[str, tuple[Any, Any]] = {}
+        self._eager_depth = 0
+        self._attr_names: dict[int, str] = {}
+        self._states: frozenset = frozenset()  # placeholders that are state (fuser.trace.call_spec)
+        # state placeholders and the objects read off them -> (state name, attribute path)
+        self.state_paths: dict[fx.Node, tuple[str, tuple[str, ...]]] = {}
+        self.state_reads: dict[tuple, StateRead] = {}
+        self._states_changed: set[str] = set()  # state given to a call that may change it
+
+    # --- leaf policy -------------------------------------------------------------------------
+    def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.leaf_names or isinstance(m, self.leaf_types) or is_opaque(type(m)) or is_opaque(m)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self._eager_depth:
+            return forward(*args, **kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:
+            # The innermost submodule the error came out of: trace() may keep it opaque.
+            path = self.path_of_module(m)
+            if not hasattr(e, "_fuser_submodule") and not self.is_leaf_module(m, path):
+                e._fuser_submodule = path
+                e._fuser_where = error_location(e)
+            raise
+
+    def create_arg(self, a):
+        if issubclass(type(a), fx.Proxy):  # before fx's own isinstance() probes
+            return a.node
+        if isinstance(a, torch.nn.Module) and not self._eager_depth:
+            # A submodule passed to a function (transformers' attention interface takes the
+            # attention module): an attribute read, with the module as its shadow value.
+            return self.create_proxy("get_attr", self.path_of_module(a), (), {}).node
+        dataclass = dataclasses.is_dataclass(a) and not isinstance(a, type) and not self._eager_depth
+        if dataclass and _holds_proxies(a):
+            # A dataclass holding traced values (a model's output, transformers' ModelOutput,
+            # which fx would take for a plain dict): built in the graph from its fields.
+            fields = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a) if f.init}
+            node = self.create_node("call_function", type(a), (), fields)
+        elif dataclass:
+            # A dataclass given as itself (transformers' config): fx would build it again in
+            # the graph, running its __init__ at every call; it is read as the object instead.
+            name = self.get_fresh_qualname("_constant_")
+            setattr(self.root, name, a)
+            node = self.create_node("get_attr", name, (), {})
+        else:
+            node = super().create_arg(a)
+        if isinstance(node, fx.Node) and node.name not in self.shadows:
+            # A value given as itself (a tensor the code made, a parameter passed as it is, a
+            # named tuple): fx reads it as an attribute or builds it in the graph; it is the
+            # same value at T and T+1.
+            self.shadows[node.name] = (a, a)
+        return node
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._eager_depth or not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        name = self._attr_names.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def read_state(self, proxy: "ShadowProxy", name: str, value: Any):
+        """``state.name`` in traced code. A value (a mode, a flag, a count, None) is taken as it
+        is, so a branch on it traces; a tensor is read at run time from the call's object, its
+        shape as traced; another object is read at run time too, and what is read off it is a
+        state read in turn. Each value and tensor read is compared by the guard at every call."""
+        state, path = self.state_paths[proxy.node]
+        path = (*path, name)
+        if read_as_value(value):
+            self.state_reads[state, path, None] = StateRead(state, path, value)
+            return value
+        read = self.create_proxy("call_function", builtins.getattr, (proxy, name), {})
+        if isinstance(value, torch.Tensor):
+            spec = (value.dtype, value.device, tuple(value.shape))
+            self.state_reads[state, path, None] = StateRead(state, path, spec, tensor=True)
+        else:
+            self.state_paths[read.node] = (state, path)
+        return read
+
+    def note(self, leaf: AutomaticLeaf) -> None:
+        """Record a call kept opaque by itself (once per callee and line)."""
+        if not any(a.name == leaf.name and a.where == leaf.where for a in self.noted):
+            self.noted.append(leaf)
+
+    # --- proxies carry shadows ---------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShadowProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr)
+        if kind == "output":
+            return proxy
+        if kind == "call_function" and (leaf := custom_op(target)) is not None:
+            self.note(leaf)
+        state = self._state_taken(args, kwargs)
+        if kind == "placeholder":
+            # A parameter the example does not pass is baked at its default (fx's concrete_args).
+            default = args[0] if args else None
+            shadow = self._placeholder_values.get(target, (default, default))
+            if target in self._states:
+                self.state_paths[proxy.node] = (target, ())
+        elif state is not None and (value := self._queried(kind, target, args, kwargs, state)) is not _NOT_A_QUERY:
+            self.graph.erase_node(proxy.node)
+            return value
+        elif state is not None:
+            if target is not builtins.getattr and not (kind == "call_method" and _is_getter(target)):
+                self._states_changed.add(state)  # (an attribute read or a getter changes nothing)
+            # A call given state (``past_key_values.update(k, v, i)``) is a leaf. The state is
+            # one object of the example's batch: the call runs once, and its result at T+1 is
+            # its result at T grown where its tensor arguments grow. (An attribute read off it
+            # is one too, not worth a line of the report: fuser.trace.call_spec.StateRead.)
+            proxy.node.meta[LEAF] = True
+            if target is not builtins.getattr:
+                what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
+                self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
+            at_t = self._eager(kind, target, args, kwargs, 0)
+            shadow = (at_t, _grown_like(at_t, args, kwargs))
+        else:
+            shadow = tuple(self._eager(kind, target, args, kwargs, i) for i in (0, 1))
+        proxy.shadow = shadow
+        self.shadows[proxy.node.name] = shadow
+        return proxy
+
+    def _queried(self, kind, target, args, kwargs, state: str):
+        """The value of a getter of the state (``past_key_values.get_mask_sizes(1, 0)``: a
+        method named ``get_...``, called with constants) when it returns plain values (numbers,
+        flags, their tuples) and nothing in the forward may have changed the state before it: the
+        trace takes the value as it is, as it takes an attribute's (:meth:`read_state`), and the
+        guard calls the getter at every call instead of the fused forward. Else, and for a
+        getter of ``counters`` (one whose value the forward itself changes, a cache's length:
+        taken as it is, it would hold for one call only), ``_NOT_A_QUERY``: the call is a leaf."""
+        if kind != "call_method" or not _is_getter(target) or state in self._states_changed:
+            return _NOT_A_QUERY
+        if not _is_state_proxy(args[0], self.state_paths) or any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args[1:], kwargs))):
+            return _NOT_A_QUERY
+        _, path = self.state_paths[args[0].node]
+        if (state, (*path, target)) in self.counters:
+            return _NOT_A_QUERY
+        value = self._eager(kind, target, args, kwargs, 0)
+        if not read_as_value(value):
+            return _NOT_A_QUERY
+        read = StateRead(state, (*path, target), value, call=(tuple(args[1:]), dict(kwargs)))
+        self.state_reads[state, read.path, repr(read.call)] = read
+        return value
+
+    def _state_taken(self, args, kwargs) -> str | None:
+        """The name of the state placeholder among a call's arguments, if any."""
+        found = []
+        map_aggregate((args, kwargs), lambda a: found.append(self.state_paths[a.node][0]) if _is_state_proxy(a, self.state_paths) else None)
+        return found[0] if found else None
+
+    def _eager(self, kind, target, args, kwargs, which: int):
+        def pick(a):
+            return a.shadow[which] if isinstance(a, ShadowProxy) else a
+
+        args = map_aggregate(args, pick)
+        kwargs = map_aggregate(kwargs, pick)
+        self._eager_depth += 1
+        try:
+            return _run_node(kind, target, args, kwargs, self.root)
+        finally:
+            self._eager_depth -= 1
+
+    # --- the call: one placeholder per tensor of the example call ----------------------------
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """Placeholders for the example call's tensors (see :mod:`fuser.trace.call_spec`); everything
+        else in the call — ``None``, flags, the structure of tuples and dicts — is baked in."""
+        proxies = [self.create_proxy("placeholder", name, (), {}) for name in self._call.names]
+        args, kwargs = self._call.rebuild(proxies)
+        root = self.root
+
+        def traced_call():
+            return root_fn(root, *args, **kwargs) if is_module else root_fn(*args, **kwargs)
+
+        return traced_call, []
+
+    def trace_with_shadows(self, root, call: CallSpec, inputs_a: tuple, inputs_b: tuple) -> fx.Graph:
+        """Trace ``root`` (a module or a plain function) on inputs at batch sizes T and T+1."""
+        self._attr_names = {}
+        if isinstance(root, torch.nn.Module):
+            for name, t in list(root.named_parameters(remove_duplicate=False)) + list(
+                root.named_buffers(remove_duplicate=False)
+            ):
+                self._attr_names.setdefault(id(t), name)
+        self._call = call
+        self._states = call.states
+        self._placeholder_values = {n: (a, b) for n, a, b in zip(call.names, inputs_a, inputs_b)}
+        with (
+            patched_leaf_functions(self.leaf_functions, compiled_functions()),
+            kernel_launches_as_leaves(),
+            _refuse_stream_switches(self),
+            _refuse_module_rebinding(),
+            _shadow_isinstance(),
+        ):
+            return self.trace(root)
+
+
+class _refuse_stream_switches:
+    """While tracing, a CUDA stream switch in traced code raises instead of running.
+
+    The fused forward is one sequence of calls on the caller's stream: a fork onto another
+    stream, or a wait between streams, would be run once here and lost from the graph. Leaves
+    keep them: a leaf runs its own code at run time, and while tracing it runs eagerly (for the
+    shadow values) with the tracer's eager depth set, which lets these calls through. Only
+    calls from user code on the tracing thread are refused.
+    """
+
+    # (owner, attribute, what the message calls it)
+    TARGETS = (
+        (torch.cuda.StreamContext, "__enter__", "torch.cuda.stream(...)"),
+        (torch.cuda, "set_stream", "torch.cuda.set_stream"),
+        (torch.cuda.Stream, "wait_stream", "Stream.wait_stream"),
+        (torch.cuda.Stream, "wait_event", "Stream.wait_event"),
+        (torch.cuda.Stream, "record_event", "Stream.record_event"),
+        (torch.cuda.Event, "record", "Event.record"),
+        (torch.cuda.Event, "wait", "Event.wait"),
+    )
+
+    def __init__(self, tracer: ShadowTracer):
+        self.tracer = tracer
+
+    def __enter__(self):
+        self._patched = []
+        tracer, thread = self.tracer, threading.get_ident()
+        for owner, name, what in self.TARGETS:
+            original = vars(owner).get(name)
+            if original is None:
+                continue
+
+            def guarded(*args, __original=original, __what=what, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if threading.get_ident() == thread and not tracer._eager_depth and not is_library_file(caller):
+                    raise refuse(
+                        f"a CUDA stream switch ({__what}) in traced code; the fused graph runs on one stream",
+                        "Put the side-stream region (the fork, the work on the other stream and the join) "
+                        "in an opaque leaf (@fuser.opaque).",
+                    )
+                return __original(*args, **kwargs)
+
+            setattr(owner, name, guarded)
+            self._patched.append((owner, name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in self._patched:
+            setattr(owner, name, original)
+        return False
+
+
+class _shadow_isinstance:
+    """While tracing, ``isinstance(proxy, T)`` in the traced code answers for the traced value.
+
+    Only calls from outside torch, triton and fuser see through proxies; library code keeps
+    the real answer (torch's C++ argument parser must never take a proxy for a tensor).
+    """
+
+    def __enter__(self):
+        self.original = original = builtins.isinstance
+
+        def shadow_isinstance(obj, classes):
+            if type(obj) is ShadowProxy and "shadow" in obj.__dict__:
+                caller = sys._getframe(1).f_code.co_filename
+                if not is_library_file(caller):
+                    return original(obj.shadow[0], classes)
+            return original(obj, classes)
+
+        builtins.isinstance = shadow_isinstance
+        return self
+
+    def __exit__(self, *exc):
+        builtins.isinstance = self.original
+        return False
+
+
+class _refuse_module_rebinding:
+    """While tracing, ``self.attr = <traced value>`` raises: the graph cannot rebind state."""
+
+    def __enter__(self):
+        self.original = original = torch.nn.Module.__setattr__
+
+        def guarded(module, name, value):
+            if isinstance(value, fx.Proxy):
+                raise refuse(
+                    f"assigning a traced value to module attribute {name!r} (the fused graph cannot rebind module state)",
+                    f"Write it in place (self.{name}.copy_(...)), or make this module an opaque leaf (@fuser.opaque).",
+                )
+            original(module, name, value)
+
+        torch.nn.Module.__setattr__ = guarded
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.__setattr__ = self.original
+        return False
+
+
+_NOT_A_QUERY = object()
+
+
+def _is_getter(method) -> bool:
+    return isinstance(method, str) and method.startswith("get_")
+
+
+def _is_state_proxy(a, state_paths) -> bool:
+    return isinstance(a, fx.Proxy) and a.node in state_paths
+
+
+def _grown_like(value: Any, args, kwargs) -> Any:
+    """A leaf's result at T+1 from its result at T: each tensor grown (its first row repeated)
+    along the dims where a tensor argument grows, where it has that argument's size at T."""
+    growing: dict[int, int] = {}
+
+    def note(a):
+        if isinstance(a, ShadowProxy) and isinstance(a.shadow[0], torch.Tensor):
+            x, y = a.shadow
+            for d, (p, q) in enumerate(zip(x.shape, y.shape)):
+                if p != q:
+                    growing.setdefault(d, p)
+
+    map_aggregate((args, kwargs), note)
+
+    def grow(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        for d, size in growing.items():
+            if d < v.dim() and v.shape[d] == size:
+                v = _grow_batch(v, d)
+        return v
+
+    if isinstance(value, dict) and type(value) is not dict:
+        # A dict of its own class (transformers' ModelOutput, read by attribute): kept so
+        # (fx's map_aggregate would give a plain immutable dict).
+        grown = copy.copy(value)
+        for key, item in value.items():
+            grown[key] = map_aggregate(item, grow)
+        return grown
+    return map_aggregate(value, grow) if isinstance(value, (tuple, list, dict, torch.Tensor)) else value
+
+
+def _grow_batch(value: Any, dim: int) -> Any:
+    """The example input at batch size T+1: its first row repeated once more."""
+    index = torch.zeros(1, dtype=torch.long, device=value.device)
+    return torch.cat([value, value.index_select(dim, index)], dim=dim)

@@ -1,0 +1,267 @@
+"""trace: capture a module's forward into a torch.fx graph, outside torch.compile.
+
+Why this approach. ``torch.fx.symbolic_trace`` keeps torch-level ops (``x.mean(-1)``,
+``torch.rsqrt``) and lets leaves stay opaque calls to the original code, which is what the
+matcher and the splice need; ``make_fx`` and ``torch.export`` lower to aten (and export runs
+Dynamo), specialise shapes silently and cannot keep arbitrary Python as a leaf. Plain symbolic
+tracing, however, knows nothing about shapes: ``isinstance(x, torch.Tensor)`` is silently False
+for a proxy and every ``if x.dim() == 2`` fails.
+
+So the tracer here *shadows* every traced value with two real values, obtained by running each
+op eagerly on the example inputs at two batch sizes (T and T+1). From the pair it knows each
+value's type, dtype, device and which dimensions follow the batch:
+
+* a static dimension (equal in both shadows) reads as a plain ``int``: branches on it trace
+  correctly and the splice's guard pins it;
+* a batch dimension reads as a proxy (``x.size(0)``), so one trace serves every batch size,
+  and a Python branch on it is refused;
+* ``isinstance`` sees the shadow's type; ``.item()``, ``.tolist()``, iteration over the batch
+  and CUDA stream switches are refused with the file and line that did it.
+
+Nothing is ever dropped silently. A function or submodule whose code cannot be traced (a
+refusal above, or any error its code raises on proxies) becomes an opaque leaf and the trace
+starts again around it; custom ops, Triton launches and C extensions' functions are kept as one
+call where they are (:mod:`fuser.trace.leaves`). Each is listed in ``Traced.automatic_leaves`` with
+the file, line and reason; what the traced module's own forward cannot trace raises
+:class:`TraceRefused`.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fuser.trace import in_place_idioms as idioms
+from fuser.trace.attention_calls import AttentionRewrite, rewrite_attention_calls
+from fuser.trace.leaves import AutomaticLeaf, leaf_after, opaque_functions
+from fuser.trace.tracer import ShadowTracer, _grow_batch
+from fuser.trace.call_spec import CallSpec, StateRead, copy_state
+from fuser.trace.refusal import TraceRefused
+
+_TRACE_LOCK = threading.RLock()
+
+
+@dataclass
+class Traced:
+    """The traced graph of a module, with what the shadows told about every node."""
+
+    root: torch.nn.Module
+    graph: fx.Graph
+    input_names: list[str]
+    batch_inputs: dict[str, int]  # placeholder name -> its batch dim
+    example_inputs: tuple
+    # node name -> (value at T, value at T+1); tensors keep their real data.
+    shadows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    call: CallSpec | None = None  # how a call of the forward maps to the graph's inputs
+    automatic_leaves: list[AutomaticLeaf] = field(default_factory=list)
+    # values the traced code was given as themselves (a tensor made from Python values, a
+    # dataclass config), read by the graph as attributes (fx's ``_tensor_constant<i>``): held
+    # here, not on the module, until the fused forward is installed with them
+    constants: dict[str, Any] = field(default_factory=dict)
+    # what the traced code read off its state objects (``forward_batch.forward_mode``): the
+    # guard compares each at every call
+    state_reads: list[StateRead] = field(default_factory=list)
+    # sdpa calls whose arguments the trace rewrote (fuser.trace.attention_calls)
+    attention_calls: list[AttentionRewrite] = field(default_factory=list)
+
+    def value(self, node: fx.Node) -> Any:
+        return self.shadows[node.name][0]
+
+    def graph_module(self, root: torch.nn.Module | None = None) -> fx.GraphModule:
+        """The graph as a module that runs it on the parameters of ``root`` (by default the
+        traced module) and the constants."""
+        root = self.root if root is None else root
+        for name, value in self.constants.items():
+            object.__setattr__(root, name, value)
+        try:
+            return fx.GraphModule(root, self.graph)
+        finally:
+            for name in self.constants:
+                root.__dict__.pop(name, None)
+
+    def fresh_inputs(self, inputs: Sequence[Any] | None = None) -> tuple:
+        """The graph's inputs (the example's, by default) to run it on: state objects (a KV
+        cache) copied anew, so that a run never changes the caller's."""
+        states = self.call.states if self.call is not None else ()
+        values = self.example_inputs if inputs is None else inputs
+        return tuple(copy_state(v) if n in states else v for n, v in zip(self.input_names, values))
+
+    def batch_dims(self, node: fx.Node) -> tuple[int, ...]:
+        """Dimensions of ``node``'s tensor value that follow the batch size."""
+        a, b = self.shadows[node.name]
+        if not isinstance(a, torch.Tensor):
+            return ()
+        return tuple(i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y)
+
+
+def forward_of(root) -> Callable:
+    return root.forward if isinstance(root, torch.nn.Module) else root
+
+
+def default_batch_inputs(names: Sequence[str], inputs: Sequence[Any]) -> dict[str, int]:
+    """Every tensor input with at least one dim has the batch (tokens) as dim 0."""
+    return {n: 0 for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.dim() >= 1}
+
+
+def trace(
+    module: torch.nn.Module | Callable,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    leaves: Iterable[str | type | Callable] = (),
+    batch_inputs: dict[str, int] | None = None,
+) -> Traced:
+    """Trace ``module.forward`` (or a plain function) with the token dimension symbolic.
+
+    The example call is ``module(*example_inputs, **example_kwargs)``; every tensor in it
+    (nested in tuples, lists and dicts too) becomes a graph input, and every other value is
+    baked in (:mod:`fuser.trace.call_spec`). ``leaves`` adds opaque leaves: submodule qualified names,
+    module classes or functions. A submodule whose forward cannot be traced becomes a leaf by
+    itself, and so is each call into compiled code (listed in ``Traced.automatic_leaves``;
+    :mod:`fuser.trace.leaves`); only code of the traced forward itself is refused. ``batch_inputs``
+    maps forward parameter names (or graph input names) to their batch dim (default: dim 0 of
+    every tensor input). Buffers the forward mutates are restored.
+    """
+    example_inputs = tuple(example_inputs)
+    example_kwargs = dict(example_kwargs or {})
+    if isinstance(module, torch.nn.Module) and "forward" in module.__dict__:
+        raise TraceRefused(
+            f"{type(module).__name__} has a forward set on the instance (a wrapper, or fuser's own); "
+            "fuser traces the class's forward and would drop it. Remove it (or fuser.restore()) first."
+        )
+    try:
+        call = CallSpec.of(forward_of(module), example_inputs, example_kwargs)
+    except TypeError as e:
+        raise ValueError(f"the example inputs do not fit {_qualname(module)}.forward: {e}") from None
+    tensors, _ = call.flatten(example_inputs, example_kwargs)
+    batch = batch_dims_of(call, tensors, batch_inputs)
+    # State (a KV cache) is never touched: the graph's example keeps a copy, the shadows another.
+    pristine = [copy_state(v) if n in call.states else v for n, v in zip(call.names, tensors)]
+    tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
+    grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
+    leaves = list(leaves)
+    functions = [x for x in leaves if callable(x) and not isinstance(x, type)] + opaque_functions()
+    automatic: list[AutomaticLeaf] = []
+    counters: set[tuple] = set()
+    attributes = set(vars(module)) if isinstance(module, torch.nn.Module) else set()
+    while True:
+        tracer = ShadowTracer(
+            leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic if a.function is None],
+            leaf_types=[x for x in leaves if isinstance(x, type)],
+            leaf_functions=functions + [a.function for a in automatic if a.function is not None],
+            counters=counters,
+        )
+        # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
+        # one trace at a time, so concurrent apply() calls never see each other's patches.
+        try:
+            with _TRACE_LOCK, preserved_state(module, tensors), torch.no_grad():
+                graph = tracer.trace_with_shadows(module, call, tensors, grown)
+            changed = _getters_changed(tracer.state_reads.values(), dict(zip(call.names, tensors)))
+            if not changed:
+                break
+            # A getter the forward changed (a length the forward moves on): traced again with it
+            # a leaf, on fresh copies of the state.
+            counters |= changed
+            tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
+            grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
+        except Exception as e:  # noqa: BLE001 - untraceable code becomes a leaf: fuser.trace.leaves
+            leaf = leaf_after(e, automatic)
+            if leaf is None:
+                raise
+            automatic.append(leaf)
+        finally:
+            constants = _constants_taken_off(module, attributes)
+    state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+    idioms.rewrite(graph, tracer.shadows, state)
+    _drop_unused_reads(graph)
+    attention = rewrite_attention_calls(graph, tracer.shadows)
+    _drop_unused_reads(graph)  # and those of the repeats the rewrites removed
+    return Traced(
+        root=module,
+        graph=graph,
+        input_names=list(call.names),
+        batch_inputs=batch,
+        example_inputs=tuple(pristine),
+        shadows=tracer.shadows,
+        call=call,
+        automatic_leaves=automatic + tracer.noted,
+        constants=constants,
+        state_reads=list(tracer.state_reads.values()),
+        attention_calls=attention,
+    )
+
+
+def _getters_changed(reads: Iterable[StateRead], values: dict[str, Any]) -> set[tuple]:
+    """The getters read as values (:class:`StateRead` with a call) that give another value
+    after the traced forward ran on the state: (state, path) of each."""
+    return {(r.state, r.path) for r in reads if r.call is not None and r.differs(values[r.state]) is not None}
+
+
+def _constants_taken_off(module, attributes: set[str]) -> dict[str, Any]:
+    """The values fx stowed on ``module`` during the trace (``_tensor_constant<i>``: values
+    the traced code was given as themselves), removed from it: the trace leaves the module as
+    it was, and the fused forward is installed with them."""
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    return {name: module.__dict__.pop(name) for name in set(vars(module)) - attributes}
+
+
+def batch_dims_of(call: CallSpec, tensors: list, batch_inputs: dict[str, int] | None) -> dict[str, int]:
+    """Graph input name -> its batch dim. A forward parameter's name stands for all its tensors."""
+    if batch_inputs is None:
+        return default_batch_inputs(call.names, tensors)
+    by_parameter = call.tensor_names_by_parameter()
+    batch = {}
+    for name, dim in batch_inputs.items():
+        if name in call.names:
+            batch[name] = dim
+        elif name in by_parameter:
+            batch.update({n: dim for n in by_parameter[name]})
+        else:
+            raise ValueError(f"batch_inputs names {name!r}, which is no tensor input of forward {tuple(call.names)}")
+    return batch
+
+
+def _qualname(module) -> str:
+    return (
+        type(module).__name__ if isinstance(module, torch.nn.Module) else getattr(module, "__qualname__", str(module))
+    )
+
+
+def _drop_unused_reads(graph: fx.Graph) -> None:
+    """``x.shape`` asks every dim's size; the reads nobody used would count as uses of x. A
+    view, a part or a range nobody used (``torch.arange(n)[:, None]`` made for a branch not
+    taken) would cost launches of its own: they are dropped too."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and _is_unused_read(node):
+            graph.erase_node(node)
+
+
+def _is_unused_read(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("size", "numel", "dim")
+    return node.op == "call_function" and (node.target is operator.getitem or node.target is torch.arange)
+
+
+class preserved_state:
+    """Snapshot a module's buffers and the tensor inputs; put them back on exit (in place)."""
+
+    def __init__(self, module: torch.nn.Module, inputs: Iterable[Any] = ()):
+        buffers = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+        self.tensors = buffers + [x for x in inputs if isinstance(x, torch.Tensor)]
+
+    def __enter__(self):
+        self.saved = [t.detach().clone() for t in self.tensors]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for t, saved in zip(self.tensors, self.saved):
+                if not t.is_meta and not torch.equal(t, saved):  # (an expanded input, never written, cannot be)
+                    t.copy_(saved)
+        return False

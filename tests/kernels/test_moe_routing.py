@@ -1,0 +1,76 @@
+"""MoE routing glue in row programs: integer index arithmetic, row gathers from tables with
+rows of another count (``hidden[perm // top_k]``), and the gathered rows regrouped per token
+and summed (``out[inv_perm].view(T, k, H).sum(1)``) — each against eager PyTorch."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fuser
+from helpers import fused_output
+from tests.kernels.test_expert_sort import GroupedExperts, _experts_inputs
+
+
+class GatherByQuotient(nn.Module):
+    """``table[index // 3]`` with negative quotients (rows counted from the end, as PyTorch)."""
+
+    def forward(self, table, index):
+        return table[index // 3] * 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_floor_division_and_row_gather_match_pytorch(T, dtype):
+    generator = torch.Generator().manual_seed(T)
+    table = torch.randn(T, 40, generator=generator).to(dtype)
+    index = torch.randint(-3 * T, 3 * T, (T,), generator=generator)
+    index[0] = -1  # -1 // 3 is -1 (floor), the last row; truncation would give row 0
+    module = GatherByQuotient()
+    result = fuser.check(module, (table, index))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()
+    assert torch.equal(fused_output(module, (table, index)), table[index // 3] * 2.0)
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (7, 2, 8), (33, 4, 16)])
+def test_moe_gathers_and_the_sum_over_experts_are_one_kernel(T, k, E):
+    """transformers' grouped_mm routing (with the GEMMs replaced by a scale): the gathers by
+    ``perm``, the weighting, the gather by the inverse permutation and the sum over the k
+    experts of each token are one kernel; the sort, with the inverse permutation
+    (``inv[perm] = arange``), is the other."""
+    module = GroupedExperts(E)
+    inputs = _experts_inputs(T, k, E, seed=T)
+    expected = module(*inputs)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    report = result.report
+    assert report.launches_after == 2, report.text()
+    assert not report.unfused, report.text()
+    got = fused_output(module, inputs)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sum_over_experts_splits_its_columns_across_programs(dtype):
+    """At T=1 one program per token would run the whole sum over the k gathered rows alone: the
+    kernel tiles the hidden axis (1100 wide: two tiles, the last one masked)."""
+    module = GroupedExperts(8)
+    hidden, index, weights = _experts_inputs(3, 2, 8, seed=11, width=1100)
+    inputs = (hidden.to(dtype), index, weights.to(dtype))
+    expected = module(*inputs)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    (chain,) = [c for c in result.report.chains if c.template != "expert_sort"]
+    assert "tile = tl.program_id(1)" in open(chain.path).read(), chain.path
+    got = fused_output(module, inputs)
+    torch.testing.assert_close(got[0], expected[0], **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
+
+
+@pytest.mark.gpu
+def test_moe_routing_kernels_on_the_gpu():
+    module = GroupedExperts(16)
+    inputs = tuple(x.cuda() for x in _experts_inputs(64, 4, 16, seed=3))
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    assert result.report.launches_after == 2, result.report.text()

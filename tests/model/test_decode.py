@@ -1,0 +1,185 @@
+"""Decode steps with a KV cache on whole transformers CausalLMs (tiny random configs): the
+cache is state the fused layers pass through to its update, an automatic leaf (a plain static
+layer is written by fuser.install.kv_cache's kernel); the q/k norms and RoPE around it stay fused. Greedy decode, fused against eager, from the same cache."""
+
+import copy
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import fuser
+from fuser.install.splice import STATE_ATTR
+from fuser.validate.tolerance import LAYER, mismatch
+from examples.zoo import layers as zoo
+from tests.install.test_kv_cache import Taken
+from tests.model.test_model import causal_lm
+
+BATCH, PROMPT, STEPS = 3, 6, 3
+
+
+def prefilled(model):
+    """A static cache holding a prompt of PROMPT tokens per sequence, and the next tokens."""
+    ids = torch.randint(0, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 2)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def step(tokens, position: int, cache) -> dict:
+    return dict(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
+
+
+def greedy(model, cache, tokens) -> list[torch.Tensor]:
+    logits = []
+    for i in range(STEPS):
+        with torch.no_grad():
+            out = model(**step(tokens, PROMPT + i, cache)).logits
+        logits.append(out)
+        tokens = out[:, -1:].argmax(-1)
+    return logits
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4"])
+def test_greedy_decode_with_a_static_cache_matches_eager(name, monkeypatch):
+    model = causal_lm(name, layers=2)
+    cache, tokens = prefilled(model)
+    eager_cache, fused_cache, example = (copy.deepcopy(cache) for _ in range(3))
+    eager = greedy(copy.deepcopy(model), eager_cache, tokens)
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, example))
+    (group,) = report.groups  # one structure: the layer index the cache update takes is read at run time
+    assert len(group.layers) == 2 and group.report is not None, report.text()
+    assert len({layer.__dict__[STATE_ATTR].fused for layer in model.model.layers}) == 1
+    leaves = group.report.automatic_leaves
+    assert [leaf["name"] for leaf in leaves] == ["past_key_values.update"], leaves
+    assert "modeling_" in leaves[0]["where"]
+    assert report.launches_after < report.launches_before / 3, report.text()
+    assert torch.equal(example.layers[0].cumulative_length, cache.layers[0].cumulative_length), "apply wrote the example's cache"
+    assert torch.equal(example.layers[0].keys, cache.layers[0].keys)
+
+    # A plain StaticLayer (Qwen3's) is written by fuser.install.kv_cache's kernel, in every layer and
+    # step; DeepSeek-V4's sliding-window layers by transformers' own update.
+    static = all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)
+    assert ("fuser.install.kv_cache" in leaves[0]["reason"]) == static, leaves
+    taken = Taken(monkeypatch)
+    fused = greedy(model, fused_cache, tokens)
+    assert taken.kernel == (2 * STEPS if static else 0)
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+    for layer in range(2):  # each layer wrote its own slot of the cache, at the same positions
+        got, expected = fused_cache.layers[layer], eager_cache.layers[layer]
+        assert torch.equal(got.cumulative_length, expected.cumulative_length)
+        problem = mismatch(got.keys, expected.keys, f"layer {layer} keys", LAYER)
+        assert problem is None, problem
+
+    fuser.restore(model)
+    restored_cache = copy.deepcopy(cache)
+    for got, expected in zip(greedy(model, restored_cache, tokens), eager):
+        assert torch.equal(got, expected)
+
+
+def test_check_takes_a_decode_step_and_leaves_the_cache_alone():
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    before = copy.deepcopy(cache)
+    result = fuser.check(model, (), example_kwargs=step(tokens, PROMPT, cache))
+    assert result.ok, result.text()
+    for layer in range(2):
+        assert torch.equal(cache.layers[layer].keys, before.layers[layer].keys)
+        assert torch.equal(cache.layers[layer].cumulative_length, before.layers[layer].cumulative_length)
+
+
+def test_a_step_without_the_cache_runs_the_eager_layers():
+    """The layers were fused for calls with a static cache: a call without one is not it, so
+    each layer's guard sends it to the layer's own forward."""
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    with torch.no_grad():
+        expected = model(input_ids=tokens, use_cache=False).logits
+    fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    refused = []
+    guard = model.model.layers[0].__dict__[STATE_ATTR].guard
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, k: refused.append(guard.why_not(a, k)), with_kwargs=True
+    )
+    with torch.no_grad():
+        got = model(input_ids=tokens, use_cache=False).logits
+    hook.remove()
+    assert refused and refused[0], refused  # (a call without a cache has no mask either)
+    problem = mismatch(got, expected, "logits", LAYER)  # the final norm and rotary tables are fused
+    assert problem is None, problem
+
+
+def test_the_q_and_k_paths_of_a_decode_step_run_as_one_kernel():
+    """A decode step's RoPE cos and sin are one row for the whole batch (the batch shares its
+    positions), broadcast over the tokens: the q norm + RoPE and the k norm + RoPE both read
+    them, so they run as one kernel, as they do where each token has its own position."""
+    model = causal_lm("qwen3", layers=2)
+    cache, tokens = prefilled(model)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    reads = [set(chain.inputs) for chain in group.report.chains]
+    both = [r for r in reads if {"self_attn_q_norm_weight", "self_attn_k_norm_weight"} <= r]
+    assert len(both) == 1, group.report.text()
+
+
+def test_a_model_of_one_layer_is_fused_as_one_module_and_decodes_as_eager():
+    """No repeated layers: the whole model is one trace. The chains there that follow no token
+    (the cache positions, the mask's arithmetic) stay eager; the rest fuses, the last residual
+    add with the final norm too."""
+    model = causal_lm("qwen3", layers=1)
+    cache, tokens = prefilled(model)
+    eager_cache, fused_cache, example = (copy.deepcopy(cache) for _ in range(3))
+    eager = greedy(copy.deepcopy(model), eager_cache, tokens)
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, example))
+    assert report.launches_after < report.launches_before / 2, report.text()
+    assert any("no input of the chain follows the tokens" in u.reason or "follows the tokens" in u.reason
+               for u in report.unfused), report.text()  # fmt: skip
+
+    fused = greedy(model, fused_cache, tokens)
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+
+
+def test_deepseek_v4_decodes_alike_from_plain_static_layers_and_the_kernel_writes_them(monkeypatch):
+    """``zoo.static_cache`` (the decode benchmark's cache) gives DeepSeek-V4 plain static
+    layers in place of its sliding-window ones, which no CUDA graph can capture: the model's own
+    sliding-window mask keeps each token to its window, so the logits are transformers' own
+    with its sliding cache (a window of 4, shorter than the sequence, so that it matters). Fused,
+    fuser.install.kv_cache's kernel writes those layers, and greedy decode matches eager."""
+    model = causal_lm("deepseek_v4", layers=2, sliding_window=4)
+    ids = torch.randint(0, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+
+    def prefilled_from(cache):
+        with torch.no_grad():
+            return cache, model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    sliding, tokens = prefilled_from(StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 2))
+    expected = greedy(model, sliding, tokens)
+    plain, tokens = prefilled_from(zoo.static_cache(model.config, PROMPT + STEPS + 2))
+    got = greedy(model, plain, tokens)
+    assert {type(layer).__name__ for layer in sliding.layers} == {"StaticSlidingWindowLayer"}
+    assert {type(layer).__name__ for layer in plain.layers} == {"StaticLayer"}
+    wide = causal_lm("deepseek_v4", layers=2, sliding_window=128)  # the window decides the logits
+    wide.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        first_wide = wide(input_ids=ids, use_cache=False).logits
+        first = model(input_ids=ids, use_cache=False).logits
+    assert mismatch(first, first_wide, "window 4 against 128", LAYER) is not None
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert mismatch(a, b, f"plain against sliding layers, step {i}", LAYER) is None
+
+    cache, tokens = prefilled_from(zoo.static_cache(model.config, PROMPT + STEPS + 2))
+    eager_model = copy.deepcopy(model)
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    taken = Taken(monkeypatch)
+    fused = greedy(model, cache, tokens)
+    assert taken.kernel == 2 * STEPS
+    for i, (a, b) in enumerate(zip(fused, eager)):
+        assert mismatch(a, b, f"fused logits at step {i}", LAYER) is None
