@@ -1,0 +1,81 @@
+"""model_report: what fusing a model layer by layer did (:class:`ModelReport`): one
+:class:`LayerGroup` per layer structure and the model's other submodules fused on their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from fuser.ir.report import Report
+
+
+@dataclass
+class LayerGroup:
+    """Layers of one structure: fused with one plan, or left eager with the reason."""
+
+    layers: list[str]
+    report: Report | None = None
+    eager: str | None = None  # why the group runs eager, if it does
+    # layer -> tokens its check left out: near ties of a top-k (a router's) in eager's scores,
+    # and tokens where eager's own output is not settled by its input (model._unsettled)
+    near_ties: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class ModelReport:
+    """What fusing a model layer by layer did: one :class:`LayerGroup` per layer structure
+    (its layers, its report or why it stayed eager), and the model's other submodules fused on
+    their own; launch counts are totals over the model."""
+
+    model: str
+    groups: list[LayerGroup] = field(default_factory=list)
+    others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report
+    skipped: dict[str, str] = field(default_factory=dict)  # other submodules not fused: name -> why
+
+    @property
+    def launches_before(self) -> int:
+        return self._total("launches_before")
+
+    @property
+    def launches_after(self) -> int:
+        return self._total("launches_after")
+
+    def _total(self, what: str) -> int:
+        layers = sum(getattr(g.report, what) * len(g.layers) for g in self.groups if g.report)
+        if what == "launches_after":  # a kernel of the layers' inputs alone: once for the group
+            layers -= sum(len(g.report.shared) * (len(g.layers) - 1) for g in self.groups if g.report)
+        return layers + sum(getattr(r, what) for r in self.others.values())
+
+    @property
+    def kernels(self) -> int:
+        """Distinct fused kernels: one set per layer structure, shared by its layers."""
+        return sum(len(g.report.chains) for g in self.groups if g.report) + sum(len(r.chains) for r in self.others.values())
+
+    def to_json(self) -> dict:
+        totals = {"launches_before": self.launches_before, "launches_after": self.launches_after, "kernels": self.kernels}
+        return {**dataclasses.asdict(self), **totals}
+
+    def json(self) -> str:
+        return json.dumps(self.to_json(), indent=2, default=str)
+
+    def text(self) -> str:
+        lines = [f"fuser report for {self.model} (layer by layer)", ""]
+        lines.append(f"glue kernel launches per forward: {self.launches_before} eager -> {self.launches_after} fused")
+        for i, g in enumerate(self.groups):
+            head = f"layer structure {i}: {len(g.layers)} layers ({g.layers[0]} ...)"
+            if g.report is None:
+                lines += ["", head, f"  left eager: {g.eager}"]
+            else:
+                r = g.report
+                lines += ["", f"{head}: {r.launches_before} -> {r.launches_after} launches each, {len(r.chains)} kernels shared"]
+                for name, rows in g.near_ties.items():
+                    lines.append(f"  checked against eager without tokens {rows} of {name}: near ties, where eager's own choice is not "
+                                 "settled by its input (a top-k's k-th and next scores meet, or its output moves as far with "
+                                 "its input rounded otherwise) and either result is right")
+                lines += ["  " + line for line in r.text().splitlines()]
+        for name, r in self.others.items():
+            lines += ["", f"{name}: {r.launches_before} -> {r.launches_after} launches"]
+        for name, why in self.skipped.items():
+            lines.append(f"{name}: not fused ({why})")
+        return "\n".join(lines)
