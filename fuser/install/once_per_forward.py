@@ -1,4 +1,4 @@
-"""shared: a kernel of a layer that reads only the layer's inputs, run once per forward of the
+"""once_per_forward: a kernel of a layer that reads only the layer's inputs, run once per forward of the
 model for every layer that gets the same inputs.
 
 A model passes every decoder layer the same causal mask, and each layer makes the same value of
@@ -70,22 +70,31 @@ def _key(launch: Callable, args: tuple) -> tuple | None:
 
 def share_within(module: nn.Module) -> None:
     """Each forward of ``module`` (a model's module that holds its layers) keeps one memo for
-    the shared launches its layers make."""
+    the shared launches its layers make. The memo is the context's (each thread has its own):
+    the hooks are plain functions of this module, so that a copy of the module shares nothing
+    with it and a pickled one leaves them out (:func:`fuser.install.splice.add_copy_hooks`)."""
     if _HOOKS_ATTR in module.__dict__:
         return
-    tokens: list = []
-
-    def opened(_module, _args, _kwargs):
-        tokens.append(_MEMO.set({}))
-
-    def closed(_module, _args, _kwargs, _out):
-        if tokens:
-            _MEMO.reset(tokens.pop())
-
     module.__dict__[_HOOKS_ATTR] = (
-        module.register_forward_pre_hook(opened, with_kwargs=True),
-        module.register_forward_hook(closed, with_kwargs=True, always_call=True),
+        module.register_forward_pre_hook(_memo_opened, with_kwargs=True),
+        module.register_forward_hook(_memo_closed, with_kwargs=True, always_call=True),
     )
+
+
+#: The memos of the forwards this context is inside, outermost first (the innermost is _MEMO).
+_OUTER: contextvars.ContextVar[tuple] = contextvars.ContextVar("fuser_shared_outer", default=())
+
+
+def _memo_opened(_module, _args, _kwargs):
+    _OUTER.set((*_OUTER.get(), _MEMO.get()))
+    _MEMO.set({})
+
+
+def _memo_closed(_module, _args, _kwargs, _out):
+    outer = _OUTER.get()
+    if outer:
+        _MEMO.set(outer[-1])
+        _OUTER.set(outer[:-1])
 
 
 def unshare(module: nn.Module) -> None:

@@ -5,18 +5,24 @@ called with the live module: parameters, buffers and leaves are looked up on it 
 so nothing is copied and ``state_dict`` is unchanged. ``module.forward`` becomes a
 :class:`GuardedForward` that runs the fused graph only when the call looks like the traced one
 (dtypes, devices, non-token sizes, at least one token, no autograd, the user's own predicate,
-the module's captured scalar attributes unchanged) and the original forward otherwise.
+the module's captured scalar attributes unchanged) on the module as it was fused (each
+parameter's and buffer's dtype and device, each submodule's ``training`` flag:
+:class:`ModuleSnapshot`), and the original forward otherwise. In Triton's CPU interpreter
+fused forwards run one at a time (the interpreter patches triton.language around each launch).
 
 Glue computed from parameters alone (a weight's cast) is computed once at apply time and held
 in a plain attribute; the guard watches the parameters it reads (version counter and storage)
 and recomputes it, in place, after they change. :func:`restore` undoes everything. A deep copy
-is fused against its own parameters; a pickled (``torch.save``) module is the eager one.
+is fused against its own parameters; a pickled (``torch.save``) module is the eager one: every
+``_fuser_*`` attribute and every forward hook of fuser's is left out of its state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
+import os
 import threading
 import types
 import warnings
@@ -31,8 +37,10 @@ from fuser.codegen.capture_guard import capturing
 from fuser.install.fused_graph import compile_function
 from fuser.trace.call_spec import CallSpec
 from fuser.trace.tracing import Traced
+from fuser.validate.against_eager import INTERPRETER_LOCK
 
 STATE_ATTR = "_fuser_state"
+FUSER_PREFIX = "_fuser_"  # every attribute fuser puts on a module
 
 
 def read_attributes(module: torch.nn.Module, names: tuple[str, ...]) -> tuple:
@@ -198,6 +206,38 @@ class Literals:
 
 
 @dataclass
+class ModuleSnapshot:
+    """What the fused graph assumed of the module itself: each parameter's and buffer's dtype
+    and device (a ``.to(torch.float32)``, ``.half()`` or ``.cuda()`` after apply changes what
+    the kernels would read) and each submodule's ``training`` flag (dropout is the identity in
+    eval mode only; ``.train()`` after apply must run it)."""
+
+    tensors: tuple  # (module, "parameter"/"buffer" name, dtype, device) per tensor
+    training: tuple  # (module, flag) per submodule
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "ModuleSnapshot":
+        tensors, training = [], []
+        for sub in module.modules():
+            training.append((sub, sub.training))
+            for store in (sub._parameters, sub._buffers):
+                tensors += [(sub, name, t.dtype, t.device) for name, t in store.items() if t is not None]
+        return cls(tuple(tensors), tuple(training))
+
+    def differs(self, module: torch.nn.Module) -> str | None:
+        """None when the module still is as it was fused, else what changed."""
+        for sub, flag in self.training:
+            if sub.training != flag:
+                return f"{type(sub).__name__}.training is {sub.training}, fused with {flag}"
+        for sub, name, dtype, device in self.tensors:
+            now = sub._parameters.get(name) if name in sub._parameters else sub._buffers.get(name)
+            if now is None or now.dtype != dtype or now.device != device:
+                what = "missing" if now is None else f"{now.dtype} on {now.device}"
+                return f"{type(sub).__name__}.{name} is {what}, fused as {dtype} on {device}"
+        return None
+
+
+@dataclass
 class FuserState:
     original_forward: Callable | None  # the instance attribute we replaced, if any
     fused: Callable  # fused(module, *traced_args): the fused graph, run on the module given
@@ -206,9 +246,12 @@ class FuserState:
     constants: tuple[str, ...] = ()  # attributes holding values computed from parameters
     precomputed: Precomputed | None = None
     literals: Literals = field(default_factory=lambda: Literals({}))
+    snapshot: ModuleSnapshot | None = None
 
     def current(self, module: torch.nn.Module) -> bool:
         """Does what the fused graph fixed at apply time still hold?"""
+        if self.snapshot is not None and self.snapshot.differs(module) is not None:
+            return False
         if self.literals.values and not self.literals.current(module):
             return False
         return self.precomputed is None or self.precomputed.current(module)
@@ -249,8 +292,15 @@ class GuardedForward:
         if state is not None:
             traced_args, _ = state.guard.check(args, kwargs)  # every tensor of the call, or None
             if traced_args is not None and not _wants_grad(module, traced_args) and state.current(module):
-                return state.fused(module, *traced_args)
+                with _one_at_a_time():
+                    return state.fused(module, *traced_args)
         return _eager_forward(module, state)(*args, **kwargs)
+
+
+def _one_at_a_time():
+    """The interpreter's lock where kernels run in Triton's CPU interpreter (fused forwards and
+    validation then run one at a time, nested ones in the same thread too); nothing otherwise."""
+    return INTERPRETER_LOCK if os.environ.get("TRITON_INTERPRET") == "1" else contextlib.nullcontext()
 
 
 # apply and restore of one module are serialised; different modules fuse concurrently.
@@ -302,28 +352,52 @@ def install(
         if precomputed is not None:
             precomputed.seen = _stamp(read_attributes(module, precomputed.sources))
         state = FuserState(
-            module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {}))
+            module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {})),
+            ModuleSnapshot.of(module),
         )
-        _add_copy_hooks(module)
+        add_copy_hooks(module)
         object.__setattr__(module, STATE_ATTR, state)
         module.__dict__["forward"] = GuardedForward(module)
 
 
-def _add_copy_hooks(module: torch.nn.Module) -> None:
-    """Instance hooks that copy and pickle consult before the class's: a deep copy is fused
-    against its own parameters; pickling (torch.save) gives the eager module, since the fused
-    code is generated at apply time and cannot be pickled."""
+def add_copy_hooks(module: torch.nn.Module) -> None:
+    """Instance hooks that copy and pickle consult before the class's: a deep copy keeps what
+    fuser put on the module (fused against the copy's own parameters); pickling (torch.save)
+    gives the eager module, since the fused code is generated at apply time and cannot be
+    pickled. Given to every module fuser changes: a fused one, and a model's modules that
+    hold fuser's report or hooks (:mod:`fuser.model`)."""
     module.__dict__["__getstate__"] = types.MethodType(_eager_state, module)
     module.__dict__["__deepcopy__"] = types.MethodType(_fused_deepcopy, module)
 
 
+def remove_copy_hooks(module: torch.nn.Module) -> None:
+    for name in COPY_HOOKS:
+        module.__dict__.pop(name, None)
+
+
+#: A module's forward-hook tables, and the tables keyed by the same hook ids.
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _fusers(hook) -> bool:
+    return getattr(hook, "__module__", "").startswith("fuser.")
+
+
 def _eager_state(module: torch.nn.Module) -> dict:
-    """The module's pickled state, as if it had never been fused."""
+    """The module's pickled state, as if it had never been fused: no ``_fuser_*`` attribute,
+    no copy hook, no held constant, no forward hook of fuser's."""
     state = type(module).__getstate__(module)
     state = dict(state) if state is not None else dict(module.__dict__)
-    fuser_state = state.pop(STATE_ATTR, None)
+    fuser_state = state.get(STATE_ATTR)
     for name in (*COPY_HOOKS, *(fuser_state.constants if fuser_state else ())):
         state.pop(name, None)
+    for name in [n for n in state if n.startswith(FUSER_PREFIX)]:
+        del state[name]
+    fuser_hooks = {i for table in _HOOK_TABLES for i, hook in state.get(table, {}).items() if _fusers(hook)}
+    for table in (*_HOOK_TABLES, *_HOOK_FLAGS):
+        if fuser_hooks and table in state:
+            state[table] = type(state[table])((i, v) for i, v in state[table].items() if i not in fuser_hooks)
     if isinstance(state.get("forward"), GuardedForward):
         del state["forward"]
         if fuser_state is not None and fuser_state.original_forward is not None:
@@ -340,7 +414,7 @@ def _fused_deepcopy(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     state = type(module).__getstate__(module)
     state = {k: v for k, v in (state if state is not None else module.__dict__).items() if k not in COPY_HOOKS}
     twin.__setstate__(copy.deepcopy(state, memo))
-    _add_copy_hooks(twin)
+    add_copy_hooks(twin)
     return twin
 
 
@@ -354,8 +428,10 @@ def restore(module: torch.nn.Module) -> None:
             module.__dict__.pop("forward", None)
         else:
             module.forward = state.original_forward
-        for name in (*state.constants, *COPY_HOOKS):
+        for name in state.constants:
             module.__dict__.pop(name, None)
+        if not any(n.startswith(FUSER_PREFIX) and n != STATE_ATTR for n in module.__dict__):
+            remove_copy_hooks(module)  # (a model's module that holds fuser's report keeps them)
         del module.__dict__[STATE_ATTR]
 
 

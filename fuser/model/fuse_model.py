@@ -31,7 +31,7 @@ from fuser.trace.call_spec import CallSpec, is_state, with_state_copied
 from fuser.model.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
 from fuser.install.fused_graph import compile_forward
 from fuser.install.once_per_forward import share_within, unshare
-from fuser.install.splice import STATE_ATTR, install, is_fused, read_attributes
+from fuser.install.splice import STATE_ATTR, add_copy_hooks, install, is_fused, read_attributes, remove_copy_hooks
 from fuser.install.splice import restore as restore_module
 from fuser.validate.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
 from fuser.trace.tracing import preserved_state, trace
@@ -81,14 +81,20 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
             own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
                        batch_inputs=_batch_inputs(module, *call[:2], batch=batch) if call else {})  # fmt: skip
             _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused)
-            share_within(module)
+        if any(g.report.shared for g in report.groups if g.report):
+            for _, module in parents:
+                share_within(module)
+                add_copy_hooks(module)
     except BaseException:
         for _, module in parents:
             unshare(module)
+            if not is_fused(module):
+                remove_copy_hooks(module)
         for module in fused:
             restore_module(module)
         raise
     model.__dict__[MODEL_ATTR] = report
+    add_copy_hooks(model)  # a copy keeps the report, a pickle leaves it out
     return report
 
 
@@ -99,6 +105,7 @@ def restore(module: nn.Module) -> None:
             unshare(sub)
             if is_fused(sub):
                 restore_module(sub)
+            remove_copy_hooks(sub)
         return
     restore_module(module)
 

@@ -208,8 +208,9 @@ def _tie_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor
 
 
 # Triton's CPU interpreter swaps triton.language functions in and out around every launch,
-# so two threads must not run interpreted kernels at once (compiled GPU kernels may).
-_INTERPRETER_LOCK = threading.Lock()
+# so two threads must not run interpreted kernels at once (compiled GPU kernels may). Reentrant:
+# a fused forward may run inside another's (a model's, whose layers are fused) or inside validation.
+INTERPRETER_LOCK = threading.RLock()
 
 
 def validate(kernel: Kernel, values, cops) -> str | None:
@@ -229,7 +230,7 @@ def _validate_launch(kernel: Kernel, values, cops, launch_options: dict) -> str 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     targets = store_targets(region, values)
     try:
-        with torch.no_grad(), _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
+        with torch.no_grad(), INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
             got = kernel.launch(*values.inputs_of(region), *targets, **launch_options)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run stays unspliced
         first = str(e).strip().splitlines()[-1] if str(e).strip() else ""
