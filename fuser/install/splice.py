@@ -36,6 +36,7 @@ import torch.fx as fx
 from fuser.codegen.capture_guard import capturing
 from fuser.install.fused_graph import compile_function
 from fuser.trace.call_spec import CallSpec
+from fuser.trace.refusal import user_stacklevel
 from fuser.trace.tracing import Traced
 from fuser.validate.against_eager import INTERPRETER_LOCK
 
@@ -81,7 +82,7 @@ class Precomputed:
                     f"fuser: parameters of {type(module).__name__} ({', '.join(self.sources)}) changed since "
                     "the values computed from them were; they cannot be recomputed during a CUDA-graph "
                     "capture, so this capture runs the eager forward",
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
             return False
         self.refresh(module, stamp)
@@ -200,7 +201,7 @@ class Literals:
             warnings.warn(
                 f"fuser: {type(module).__name__} changed {changed} after fuser.apply; the fused forward "
                 "holds the old values, so the eager forward runs (fuser.restore and apply again to fuse)",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         return False
 

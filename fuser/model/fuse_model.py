@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
 from fuser.model.model_report import LayerGroup, ModelReport
+from fuser.model.progress import Progress
 from fuser.trace.call_spec import CallSpec, is_state, with_state_copied
 from fuser.model.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
 from fuser.install.fused_graph import compile_forward
@@ -70,17 +72,21 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
         raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
     report = ModelReport(type(model).__name__)
     fused: list[nn.Module] = []
+    progress = Progress(type(model).__name__, len(layers))
     try:
         for group in groups_of(layers):
-            report.groups += _fuse_group(group, calls, options, fused)
+            started = time.perf_counter()
+            groups = _fuse_group(group, calls, options, fused, progress)
+            report.groups += groups
+            _log_group(progress, group, groups, started)
         for name, module in others:
-            _fuse_other(name, module, calls.get(id(module)), options, report, fused)
+            _fuse_other(name, module, calls.get(id(module)), options, report, fused, progress)
         batch = calls[id(layers[0][1])][0][0].shape[0]
         for name, module in parents:  # its own forward, with its layers and submodules as leaves
             call = calls.get(id(module))
             own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
                        batch_inputs=_batch_inputs(module, *call[:2], batch=batch) if call else {})  # fmt: skip
-            _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused)
+            _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused, progress)
         if any(g.report.shared for g in report.groups if g.report):
             for _, module in parents:
                 share_within(module)
@@ -93,6 +99,8 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
         for module in fused:
             restore_module(module)
         raise
+    finally:
+        progress.close()
     model.__dict__[MODEL_ATTR] = report
     add_copy_hooks(model)  # a copy keeps the report, a pickle leaves it out
     return report
@@ -200,7 +208,17 @@ def _children_called(module: nn.Module) -> list[str]:
 
 
 # --- grouping and fusing ------------------------------------------------------------------------
-def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
+def _log_group(progress: Progress, group, groups: list[LayerGroup], started: float) -> None:
+    cls = type(group[0][1]).__name__
+    for g in groups:
+        if g.report is None:
+            progress.note("%d %s layers left eager: %s", len(g.layers), cls, g.eager, since=started)
+        else:
+            progress.note("%d %s layers fused, %d -> %d glue launches each", len(g.layers), cls,
+                          g.report.launches_before, g.report.launches_after, since=started)  # fmt: skip
+
+
+def _fuse_group(group, calls, options, fused: list, progress: Progress) -> list[LayerGroup]:
     """Fuse one structure's layers with one plan; layers whose literals or outputs differ get
     a plan of their own. Returns the groups as fused (or left eager)."""
     (first_name, first), rest = group[0], group[1:]
@@ -208,6 +226,7 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
     try:
         p = plan(first, args, example_kwargs=kwargs, batch_inputs=_batch_inputs(first, args, kwargs), **options)
     except Exception as e:  # noqa: BLE001 - a structure fuser cannot fuse stays eager, reported
+        progress.advance(len(group))
         return [LayerGroup([name for name, _ in group], eager=f"{type(e).__name__}: {e}")]
     # The plan's kernels each passed validation on the first layer's inputs; every layer,
     # the first too, is then checked whole against its own eager forward. One that disagrees
@@ -215,6 +234,7 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
     shared, apart, left = LayerGroup([], report=p.report), [], []
     _install(first, p, p.constants, p.precomputed, fused)
     problem, tied = _disagrees(first, calls[id(first)], p)
+    progress.advance()
     if problem:
         restore_module(first)
         fused.remove(first)
@@ -242,12 +262,13 @@ def _fuse_group(group, calls, options, fused: list) -> list[LayerGroup]:
             fused.remove(layer)
             apart.append((name, layer))
             continue
+        progress.advance()
         shared.layers.append(name)
         if tied:
             shared.near_ties[name] = tied
     result = ([shared] if shared.layers else []) + left
     for name, layer in apart:  # planned on their own: another structure in all but the look
-        result += _fuse_group([(name, layer)], calls, options, fused)
+        result += _fuse_group([(name, layer)], calls, options, fused, progress)
     return result
 
 
@@ -389,7 +410,17 @@ def _batch_inputs(layer: nn.Module, args, kwargs, batch: int | None = None) -> d
     return {n: 0 for n, t in zip(call.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
 
 
-def _fuse_other(name, module, call, options, report: ModelReport, fused: list) -> None:
+def _fuse_other(name, module, call, options, report: ModelReport, fused: list, progress: Progress) -> None:
+    started = time.perf_counter()
+    _fuse_one_other(name, module, call, options, report, fused)
+    if name in report.others:
+        r = report.others[name]
+        progress.note("%s fused, %d -> %d glue launches", name, r.launches_before, r.launches_after, since=started)
+    elif name in report.skipped:
+        progress.note("%s not fused: %s", name, report.skipped[name], since=started)
+
+
+def _fuse_one_other(name, module, call, options, report: ModelReport, fused: list) -> None:
     if call is None:
         return  # not called by the forward
     args, kwargs, _ = call

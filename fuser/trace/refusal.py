@@ -1,4 +1,4 @@
-"""where: the user's line behind a trace step, and the refusal that names it.
+"""refusal: the user's line behind a trace step (or a warning), and the refusal that names it.
 
 Tracing runs the user's code, torch's and fuser's own; a message names the innermost line of
 the first kind (the model's file, a helper of its library), never a line of torch or fuser.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import traceback
 
 import torch
@@ -47,6 +48,15 @@ def describe(frame: traceback.FrameSummary | None, code: bool = False) -> str:
         return UNKNOWN_LOCATION
     line = (frame.line or "").strip() if code else ""
     return f"{frame.filename}:{frame.lineno}" + (f": `{line}`" if line else "")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller name the user's line: the
+    innermost frame outside fuser, torch and the stdlib that led to the call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def calling_line() -> str:
