@@ -9,13 +9,16 @@ operands it takes, what kind of op it is, how it treats axes, and how it lowers:
   (:func:`expr`): a decomposition, as Inductor's decomposition table and tinygrad's
   ``code_for_op`` do. Functions written once for the whole kernel (``expm1_f32``) are named in
   ``helpers`` and defined in templates/_row_program.py.jinja.
-* any other op names the method of ``fuser.lower.lowerer`` that writes it (``lowering``).
+* any other op names the lowering that writes it (``lowering``): a function registered under
+  that name with ``@lowering(name)`` in its family's module under fuser/lower/ (layout,
+  reductions, normalizations, row_gathers), which takes the lowerer explicitly.
 * a pointwise op that PyTorch also computes on integer tensors (index arithmetic such as
   ``perm // top_k``) gives its expression over the integer operands too (``integer``).
 
 canon reads the spellings, parameter names and kinds; regions asks :func:`lowers`; lower reads
 the expressions, the axis behaviour and the lowering. Adding an op is one entry here (plus a
-golden test in tests/kernels/test_ops_golden.py), and, if it is not pointwise, a lowering method.
+golden test in tests/kernels/test_ops_golden.py), and, if it is not pointwise and no existing
+lowering fits, one ``@lowering`` function beside its family's others.
 
     Op("log1p", POINTWISE, 1, _log1p)                     # an expression (here a function)
     Op("argmax", REDUCTION, 1, lowering="argmax", result=INDEX_RESULT, params=("dim", "keepdim"))
@@ -50,7 +53,7 @@ class Op:
     kind: str
     arity: int | None  # operands in the canonical form (tensors and scalars); None: a list
     triton: str | Callable[..., str] | None = None  # pointwise: the expression over {a}, {b}, {c}
-    lowering: str | None = None  # otherwise: the ``fuser.lower.lowerer`` method that writes it
+    lowering: str | None = None  # otherwise: the name of its lowering (fuser.lower.registry)
     spellings: tuple[str, ...] = ()  # other method / function names of the same op
     params: tuple[str, ...] = ()  # positional parameter names after the input (method and torch.*)
     commutative: bool = False

@@ -1,4 +1,4 @@
-"""lower_code: what every part of the row-program lowerer (:mod:`fuser.lower.lowerer`) writes with:
+"""code: what every part of the row-program lowerer (:mod:`fuser.lower.lowerer`) writes with:
 its error, the Triton expression of each pointwise op, PyTorch's rounding, block shapes and
 indices as code, and the names of the kernel's locals and arguments."""
 

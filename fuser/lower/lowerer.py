@@ -12,7 +12,8 @@ loaded first (one memory round trip); each output the kernel allocates is stored
 computed, one written into a caller's buffer last.
 
 How each op lowers comes from the op table (fuser/ir/ops.py): a pointwise op's Triton expression,
-or the ``lower_<name>`` method of :class:`Lowerer` that its entry names.
+or the lowering its entry names, a function registered under that name beside the others of its
+family (:mod:`fuser.lower.registry`: layout, reductions, normalizations, row gathers).
 
 The result is plain data (:class:`fuser.lower.row_program.RowProgram`) that the Jinja templates render.
 """
@@ -29,12 +30,14 @@ from fuser.lower.tidy import tidy
 from fuser.canon.canonicalize import COMPUTE, UNIT_VIEW, COp
 from fuser.lower.warps import elements_per_warp, warps_for
 from fuser.lower.code import (
-    COMPANIONS, EXPRESSIONS, INDEX_DTYPES, LoweringError, Segments, expanded, free_name, operand_names, pair_index,
-    rounded, shape_literal,
+    COMPANIONS, EXPRESSIONS, INDEX_DTYPES, LoweringError, Segments, free_name, operand_names, rounded, shape_literal,
 )  # fmt: skip
-from fuser.lower.layout import LayoutLowerings
-from fuser.lower.reduce import ReductionLowerings
-from fuser.lower.rows import RowGathers
+from fuser.lower import normalizations  # noqa: F401 (each family module registers its lowerings when imported)
+from fuser.lower.layout import joined, moves_unit_axes, pairs_and_parts
+from fuser.lower.memory import load, store, store_fresh
+from fuser.lower.reductions import contractions
+from fuser.lower.registry import lowering_for
+from fuser.lower.row_gathers import gathered_only, regathered_values
 from fuser.lower.row_program import TL_DTYPES, Operand, RowProgram, operand
 from fuser.lower.tiling import find_tiling, launch_widths, pow2, tile_floor
 from fuser.trace.tracing import Traced
@@ -43,12 +46,12 @@ from fuser.trace.tracing import Traced
 ROWLESS_ELEMENTS = 1 << 16
 
 
-class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
+class Lowerer:
     """Lowers one region: its nodes in graph order, each to lines of Triton over blocks in
     registers (``lines``), each value's local in ``names`` and dtype in ``dtypes``. This class
-    holds the state and the general part (block shapes and indices, masks, locals, loads and
-    stores, the dispatch by op); the ops' own lowerings are its bases' methods, by kind:
-    :mod:`fuser.lower.layout`, :mod:`fuser.lower.reduce`, :mod:`fuser.lower.rows`."""
+    holds the state and the general part (block shapes and indices, masks, locals, the dispatch
+    by op); loads and stores are :mod:`fuser.lower.memory`, and the ops' own lowerings functions
+    that take it, registered by name in their family's module (:mod:`fuser.lower.registry`)."""
 
     def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs, in_place=()):
         self.traced, self.cops = traced, cops
@@ -61,8 +64,8 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         self.taken: set[str] = set()  # locals (and their companions) in use
         self.masks: dict[str, str] = {}  # mask expression -> the local it is built in, once
         # Tables read only through a row gather are never loaded whole, nor at this program's row.
-        self.gathered = {n for n in self.inputs if self._only_gathered(n)}
-        self.regathered = self._regathered()
+        self.gathered = {n for n in self.inputs if gathered_only(self, n)}
+        self.regathered = regathered_values(self)
         self.row_rank = max(
             (self.traced.value(n).dim() for n in self.inputs + self.nodes if self.traced.batch_dims(n)), default=0
         )
@@ -237,100 +240,33 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
         self.lines.append(f"{name} = {expr}  # {node.name}")
         self.dtypes[node] = dtype
 
-    def load(self, operand: Operand, node: fx.Node):
-        if node in self.gathered or node in self.regathered:
-            return
-        row = f"row * {operand.name}_stride_row" if operand.has_rows else None
-        self._emit_load(node, self.fresh(node), operand, row)
-
-    def _emit_load(self, node: fx.Node, name: str, operand: Operand, row: str | None, first_stride: int = 0):
-        """``name = tl.load(...)`` of ``node``'s block from ``operand``: ``row`` offsets the
-        pointer to this token's row; block dim i uses stride ``first_stride + i``."""
-        shape = operand.shape
-        rank = len(shape) + (1 if operand.complex else 0)
-        terms = [f"{operand.name}_ptr"] + ([row] if row else [])
-        for axis in range(len(shape)):
-            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{first_stride + axis}")
-        if operand.complex:
-            terms.append(f"{pair_index(rank)} * {operand.name}_stride_{first_stride + len(shape)}")
-        mask = self.mask(node)
-        if mask and operand.complex:
-            mask = f"({mask})[..., None]" if len(shape) else None
-        extra = f", mask={mask}, other=0.0" if mask else ""
-        self.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
-        self.names[node] = name
-        self._finish_pair_load(node, name, operand)
-
-    def _finish_pair_load(self, node, name, operand):
-        self.dtypes[node] = operand.dtype
-        if operand.complex:
-            self.lines.append(f"{name}_re, {name}_im = tl.split({name})")
-            self.names[node] = (f"{name}_re", f"{name}_im")
-
-    def store(self, operand: Operand, node: fx.Node):
-        value = self.names[node]
-        if isinstance(value, Segments):
-            return self._store_segments(operand, node, value)
-        shape = operand.shape
-        rank = len(shape) + (1 if operand.complex else 0)
-        terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
-        for axis in range(len(shape)):
-            terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
-        mask = self.mask(node)
-        if operand.complex:
-            terms.append(f"{pair_index(rank)} * {operand.name}_stride_{len(shape)}")
-            value = f"tl.join({value[0]}, {value[1]})"
-            mask = f"({mask})[..., None]" if mask and len(shape) else None
-        extra = f", mask={mask}" if mask else ""
-        source = torch.float32 if operand.complex else self.dtypes[node]
-        target = torch.float32 if operand.complex else operand.dtype
-        self.lines.append(f"tl.store({' + '.join(terms)}, {rounded(value, target, source)}{extra})")
-
-    def _store_segments(self, operand: Operand, node: fx.Node, segments: "Segments"):
-        """A concatenation along the last axis: each part stored at its column offset."""
-        rank = len(operand.shape)
-        for offset, part, width, dtype in segments.parts:
-            terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
-            for axis in range(rank - 1):
-                terms.append(f"{self.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
-            cols = expanded(f"tl.arange(0, {pow2(width)})", rank - 1, rank)
-            terms.append(f"({cols} + {offset}) * {operand.name}_stride_{rank - 1}")
-            masks = [
-                f"({self.axis_index(node, a, rank)} < {s})"
-                for a, s in enumerate(operand.shape[:-1])
-                if pow2(s) != s or self.is_tiled(node, a)
-            ]  # fmt: skip
-            if pow2(width) != width:
-                masks.append(f"({cols} < {width})")
-            extra = f", mask={' & '.join(masks)}" if masks else ""
-            self.lines.append(f"tl.store({' + '.join(terms)}, {rounded(part, operand.dtype, dtype)}{extra})")
-
     def masked(self, node: fx.Node, fill: str) -> str:
         mask = self.mask(node)
         value = self.f32(node)
         return f"tl.where({mask}, {value}, {fill})" if mask else value
 
     def lower_node(self, node: fx.Node):
+        """Lower one op: complex pairs, concatenations and row gathers by their own rules
+        (:func:`~fuser.lower.layout.pairs_and_parts`), index arithmetic in integers, a pointwise
+        op by its expression, any other by the lowering its op-table entry names."""
         cop = self.cops[node]
         op, args = cop.op, cop.args
         entry = ops.TABLE.get(op)
         if entry is None:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
-        if op == "topk":
-            return self.topk(node, cop)
-        keeps_parts = op == "cast" or (op == "reshape" and self._moves_unit_axes(args[0], node))
+        if op == "topk":  # a pair of values and indices, from a block never joined
+            return lowering_for(entry)(self, node, cop)
+        keeps_parts = op == "cast" or (op == "reshape" and moves_unit_axes(self, args[0], node))
         for arg in args:  # a concatenation read by anything but a cast, a store or a unit-axis move: one block
             if not keeps_parts and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
-                self.names[arg] = self.joined(arg)
+                self.names[arg] = joined(self, arg)
         special = entry.lowering == "pairs_and_parts" or any(
             isinstance(x, fx.Node) and isinstance(self.names.get(x), (tuple, Segments)) for x in args
         )
         if special:
-            return self.lower_pairs_and_parts(node, cop)
+            return pairs_and_parts(self, node, cop)
         if node in self.contracted:
-            return  # built inside the sum that reads it
-        if args and args[0] in self.contracted:
-            return self.reduce(node, cop)
+            return  # built inside the sum that reads it (its ``reduce``)
         if entry.integer and self._on_integers(node, args):
             operands = [self.names[a] if isinstance(a, fx.Node) else repr(a) for a in args]
             dtype = self.traced.value(node).dtype
@@ -339,7 +275,7 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             self.helpers.update(entry.helpers)
             operands = [None if a is None else self.f32(a) for a in args]
             return self.emit(node, ops.render(EXPRESSIONS[op], *operands))
-        return getattr(self, f"lower_{entry.lowering}")(node, cop)
+        return lowering_for(entry)(self, node, cop)
 
     def _on_integers(self, node: fx.Node, args) -> bool:
         """Index arithmetic, computed in integers: an integer result, or a comparison of integer
@@ -369,7 +305,7 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             raise LoweringError("no input of the chain follows the tokens: nothing gives its row count", *spread[:1])
         for op in ins + outs:  # no local may be called as a kernel argument is
             self.taken.update([f"{op.name}_ptr", *op.stride_args])
-        self.contracted = self._contractions()
+        self.contracted = contractions(self)
         values = [
             n for n in self.nodes + self.inputs
             if isinstance(self.traced.value(n), torch.Tensor)
@@ -384,9 +320,9 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             )  # fmt: skip: a tile twice as wide counts twice
             self.block_last = block_last or self.tile_width(others)
         numel = max(math.prod(self.padded(n) or (1,)) for n in values)
-        self._operands = ins
+        self.input_operands = ins
         for source, node in zip(ins, self.inputs):
-            self.load(source, node)
+            load(self, source, node)
         unstored = list(zip(outs, self.outputs))
         for node in self.nodes:
             if node in self.regathered:
@@ -396,9 +332,9 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             except LoweringError as e:
                 e.node = e.node or node
                 raise
-            unstored = self._store_fresh(node, unstored)
+            unstored = store_fresh(self, node, unstored)
         for target, node in unstored:
-            self.store(target, node)
+            store(self, target, node)
         masks = [f"{name} = {expr}" for expr, name in self.masks.items()]
         self.lines = tidy(masks + self.lines)
         names = {self.cops[n].op for n in self.nodes}
@@ -410,17 +346,6 @@ class Lowerer(RowGathers, LayoutLowerings, ReductionLowerings):
             ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps_for(numel, per_warp),
             numel, helpers, scales, others, per_warp,
         )  # fmt: skip
-
-    def _store_fresh(self, node: fx.Node, unstored: list) -> list:
-        """Store ``node`` where it is computed when it is an output the kernel allocates (so its
-        registers are free for the rest of the body); one written into a caller's buffer is
-        stored last, after every read of that buffer."""
-        if node in self.in_place or node not in self.names:
-            return unstored
-        for target, output in unstored:
-            if output is node:
-                self.store(target, node)
-        return [(target, output) for target, output in unstored if output is not node]
 
     def tile_width(self, others: int) -> int:
         """Elements of the tiled axis a program takes, when each of them comes with ``others``

@@ -1,6 +1,8 @@
-"""lower_rows: rows a row program reads at positions its values give (a gathered table), and
+"""row_gathers: rows a row program reads at positions its values give (a gathered table), and
 rows grouped k to a program (each token's expert rows): a value of the table is computed at
-the gathered rows, as at its own."""
+the gathered rows, as at its own. The lowerer (:class:`fuser.lower.lowerer.Lowerer`) asks
+which of its values are read only so (:func:`gathered_only`, :func:`regathered_values`); each
+function takes it explicitly."""
 
 from __future__ import annotations
 
@@ -11,90 +13,94 @@ from fuser.ir import ops
 from fuser.canon.canonicalize import UNIT_VIEW, COp
 from fuser.lower.code import EXPRESSIONS, INDEX_DTYPES, LoweringError, expanded, rounded
 from fuser.lower.row_program import Operand
+from fuser.lower.memory import emit_load
+from fuser.lower.registry import lowering
 from fuser.lower.tiling import inserted_axes, pow2
 
 
-class RowGathers:
-    """Methods of the row-program lowerer (:class:`fuser.lower.lowerer.Lowerer`) for gathered rows."""
+def gathered_only(lw, node: fx.Node) -> bool:
+    uses = [lw.cops[u] for u in node.users if u in lw.nodes]
+    return bool(uses) and all(c.op == "gather_rows" and c.args[0] is node and c.args[1] is not node for c in uses)
 
-    def _only_gathered(self, node: fx.Node) -> bool:
-        uses = [self.cops[u] for u in node.users if u in self.nodes]
-        return bool(uses) and all(c.op == "gather_rows" and c.args[0] is node and c.args[1] is not node for c in uses)
 
-    def _regathered(self) -> set[fx.Node]:
-        """Values of another row count that a ``group_rows`` reads at gathered rows: its gather,
-        the gather's index and the gathered table with what computes it, never lowered at this
-        program's row (``lower_group_rows`` computes them at the rows it gathers)."""
-        found = set()
-        for node in self.nodes:
-            if self.cops[node].op != "group_rows":
-                continue
-            gather = self.cops[node].args[0]
-            if gather not in self.nodes or [u for u in gather.users if u in self.nodes] != [node]:
-                raise LoweringError(f"`{node.name}`: its rows' gather must be in the kernel and read by it alone", node)
-            table, index = self.cops[gather].args
-            found |= {gather, index} | self._table_values(table)
-        for node in found & set(self.nodes + self.inputs):
-            outside = [u for u in node.users if u in self.nodes and u not in found and self.cops[u].op != "group_rows"]
-            if outside or node in self.outputs:
-                raise LoweringError(f"`{node.name}` is read at gathered rows and at this program's row", node)
-        return found
+def regathered_values(lw) -> set[fx.Node]:
+    """Values of another row count that a ``group_rows`` reads at gathered rows: its gather,
+    the gather's index and the gathered table with what computes it, never lowered at this
+    program's row (:func:`group_rows` computes them at the rows it gathers)."""
+    found = set()
+    for node in lw.nodes:
+        if lw.cops[node].op != "group_rows":
+            continue
+        gather = lw.cops[node].args[0]
+        if gather not in lw.nodes or [u for u in gather.users if u in lw.nodes] != [node]:
+            raise LoweringError(f"`{node.name}`: its rows' gather must be in the kernel and read by it alone", node)
+        table, index = lw.cops[gather].args
+        found |= {gather, index} | _table_values(lw, table)
+    for node in found & set(lw.nodes + lw.inputs):
+        outside = [u for u in node.users if u in lw.nodes and u not in found and lw.cops[u].op != "group_rows"]
+        if outside or node in lw.outputs:
+            raise LoweringError(f"`{node.name}` is read at gathered rows and at this program's row", node)
+    return found
 
-    def _table_values(self, table: fx.Node) -> set[fx.Node]:
-        """``table`` and the kernel's nodes that compute it (pointwise, casts, unit axes, row
-        gathers with the tables they read)."""
-        found, todo = set(), [table]
-        while todo:
-            node = todo.pop()
-            if node in found:
-                continue
-            found.add(node)
-            if node not in self.nodes:
-                continue
-            cop = self.cops[node]
-            if cop.op == "gather_rows":  # its table is read at the rows its index names there
-                found.add(cop.args[0])
-                todo.append(cop.args[1])
-            elif ops.kind(cop.op) == ops.POINTWISE or (cop.op == "reshape" and cop.kind == UNIT_VIEW):
-                todo += [a for a in cop.args if isinstance(a, fx.Node)]
-            else:
-                raise LoweringError(f"`{node.name}` ({cop.op}) cannot be computed at gathered rows", node)
-        return found
 
-    def gather_rows(self, node: fx.Node, name: str, table: fx.Node, index: fx.Node):
-        """``table[index]``: the row of ``table`` this program's index names. The table is read
-        from memory (an input); the index may be computed here (``perm // top_k``)."""
-        operands = {n: op for n, op in zip(self.inputs, self._operands)}
-        if table not in operands:
-            raise LoweringError(f"`{node.name}`: a row gather must read its table directly")
-        t = operands[table]
-        shape, first, count, stride_row = _table_rows(t)
-        self.lines.append(f"{name}_idx = {_wrapped(self.names[index], count)}  # {index.name}")
-        gathered = Operand(t.name, table.name, shape, t.dtype, True)
-        self._emit_load(node, name, gathered, f"{name}_idx * {stride_row}", first_stride=first)
+def _table_values(lw, table: fx.Node) -> set[fx.Node]:
+    """``table`` and the kernel's nodes that compute it (pointwise, casts, unit axes, row
+    gathers with the tables they read)."""
+    found, todo = set(), [table]
+    while todo:
+        node = todo.pop()
+        if node in found:
+            continue
+        found.add(node)
+        if node not in lw.nodes:
+            continue
+        cop = lw.cops[node]
+        if cop.op == "gather_rows":  # its table is read at the rows its index names there
+            found.add(cop.args[0])
+            todo.append(cop.args[1])
+        elif ops.kind(cop.op) == ops.POINTWISE or (cop.op == "reshape" and cop.kind == UNIT_VIEW):
+            todo += [a for a in cop.args if isinstance(a, fx.Node)]
+        else:
+            raise LoweringError(f"`{node.name}` ({cop.op}) cannot be computed at gathered rows", node)
+    return found
 
-    def lower_group_rows(self, node: fx.Node, cop: COp):
-        """``table[index].view(T, k, ...)``: this token's k rows of the gather, each computed
-        from the table's inputs loaded at the row its index names (``index[row * k + j]``)."""
-        gather = cop.args[0]
-        table, index = self.cops[gather].args
-        operands = dict(zip(self.inputs, self._operands))
-        if index not in operands or self.block_shape(index):
-            raise LoweringError(f"`{node.name}`: the gather's index must be an input of one position per row", node)
-        k = cop.attr("group")
-        name = self.fresh(node)
-        i = operands[index]
-        picks = f"tl.arange(0, {pow2(k)})"
-        self.lines.append(
-            f"{name}_rows = tl.load({i.name}_ptr + (row * {k} + {picks}) * {i.name}_stride_row, mask={picks} < {k}, other=0)"
-            f"  # {index.name}, {k} per token"
-        )
-        at_rows = _AtRows(self, f"{name}_rows", k, operands)
-        if self.cops[index].op == "inverse_permutation":  # rows inv[i]: a gather through perm there reads perm[inv[i]] = i
-            at_rows.inverts = (self.cops[index].args[0], f"(row * {k} + {picks})")
-        self.lines.append(f"{name} = {at_rows.value(table)}  # {node.name}")
-        self.names[node] = name
-        self.dtypes[node] = at_rows.dtypes[table]
+
+def gather_rows(lw, node: fx.Node, name: str, table: fx.Node, index: fx.Node):
+    """``table[index]``: the row of ``table`` this program's index names. The table is read
+    from memory (an input); the index may be computed here (``perm // top_k``)."""
+    operands = {n: op for n, op in zip(lw.inputs, lw.input_operands)}
+    if table not in operands:
+        raise LoweringError(f"`{node.name}`: a row gather must read its table directly")
+    t = operands[table]
+    shape, first, count, stride_row = _table_rows(t)
+    lw.lines.append(f"{name}_idx = {_wrapped(lw.names[index], count)}  # {index.name}")
+    gathered = Operand(t.name, table.name, shape, t.dtype, True)
+    emit_load(lw, node, name, gathered, f"{name}_idx * {stride_row}", first_stride=first)
+
+
+@lowering("group_rows")
+def group_rows(lw, node: fx.Node, cop: COp):
+    """``table[index].view(T, k, ...)``: this token's k rows of the gather, each computed
+    from the table's inputs loaded at the row its index names (``index[row * k + j]``)."""
+    gather = cop.args[0]
+    table, index = lw.cops[gather].args
+    operands = dict(zip(lw.inputs, lw.input_operands))
+    if index not in operands or lw.block_shape(index):
+        raise LoweringError(f"`{node.name}`: the gather's index must be an input of one position per row", node)
+    k = cop.attr("group")
+    name = lw.fresh(node)
+    i = operands[index]
+    picks = f"tl.arange(0, {pow2(k)})"
+    lw.lines.append(
+        f"{name}_rows = tl.load({i.name}_ptr + (row * {k} + {picks}) * {i.name}_stride_row, mask={picks} < {k}, other=0)"
+        f"  # {index.name}, {k} per token"
+    )
+    at_rows = _AtRows(lw, f"{name}_rows", k, operands)
+    if lw.cops[index].op == "inverse_permutation":  # rows inv[i]: a gather through perm there reads perm[inv[i]] = i
+        at_rows.inverts = (lw.cops[index].args[0], f"(row * {k} + {picks})")
+    lw.lines.append(f"{name} = {at_rows.value(table)}  # {node.name}")
+    lw.names[node] = name
+    lw.dtypes[node] = at_rows.dtypes[table]
 
 
 def _table_rows(table: Operand) -> tuple[tuple[int, ...], int, str, str]:
@@ -118,7 +124,7 @@ class _AtRows:
     loaded at those rows, each op applied as at the table's own rows. A value's block is the
     rows' axis followed by its own block."""
 
-    def __init__(self, lowerer: RowGathers, rows: str, k: int, operands: dict):
+    def __init__(self, lowerer, rows: str, k: int, operands: dict):
         self.lowerer, self.rows, self.k, self.operands = lowerer, rows, k, operands
         # (perm, positions) when the rows are inverse_permutation(perm) at those positions
         self.inverts: tuple[fx.Node, str] | None = None
