@@ -1,5 +1,5 @@
 """codegen: a kernel's source rendered from a Jinja template, written to the kernel
-cache and loaded.
+cache and run from the rendered text (:mod:`~fuser.codegen.kernel_cache`).
 
 Takes a :class:`~fuser.codegen.emit.KernelSpec` (template, pattern parameters or a row
 program); returns the kernel's file and its launcher (:func:`~fuser.codegen.emit.emit`), with

@@ -1,18 +1,16 @@
-"""emit: render a fused Triton kernel from a Jinja template, write it to ``kernels/``, import it.
+"""emit: render a fused Triton kernel from a Jinja template, keep it in the kernel cache, run it.
 
 Kernel files are content-addressed (the name carries a hash of the template and everything
-rendered into it), written atomically, and start with a header naming the template, the
-pattern and its parameters, so ``kernels/`` reads and diffs like source. The same chain with
-the same parameters always renders the same file.
+rendered into it) and start with a header naming the template, the pattern and its
+parameters, so ``kernels/`` reads and diffs like source. The same chain with the same
+parameters always renders the same file. Where the files go and how a kernel is loaded (from
+the rendered text, never from the file) is :mod:`fuser.codegen.kernel_cache`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 import re
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +19,11 @@ from typing import Any, Callable
 import jinja2
 
 from fuser.codegen.capture_guard import capturing
+from fuser.codegen.kernel_cache import kernel_dir, load, store
 from fuser.codegen.launch_config import current_gpu, lookup
 from fuser.lower.warps import warps_for
 from fuser.lower.row_program import TL_DTYPES, Operand, RowProgram, row_count, row_source
-from fuser.pattern import PACKAGE_DIR, templates_dir
+from fuser.pattern import templates_dir
 from fuser.lower.tiling import LAUNCH_PROGRAMS, pow2
 
 
@@ -153,19 +152,6 @@ def _template_location(error: Exception, template) -> tuple[str, int]:
     return template.filename, 1
 
 
-def kernel_dir() -> Path:
-    """Where rendered kernels go: $FUSER_KERNEL_DIR, the checkout's kernels/, or ~/.cache."""
-    env = os.environ.get("FUSER_KERNEL_DIR")
-    if env:
-        path = Path(env)
-    elif (PACKAGE_DIR.parent / "kernels").is_dir() and (PACKAGE_DIR.parent / "pyproject.toml").exists():
-        path = PACKAGE_DIR.parent / "kernels"
-    else:
-        path = Path.home() / ".cache" / "fuser" / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def kernel_source(spec: KernelSpec) -> tuple[str, str]:
     """(file stem, source): the stem is the pattern name plus a hash of the rendered source."""
     provisional = render(spec, "KERNEL")
@@ -179,19 +165,15 @@ _LOAD_LOCK = threading.Lock()
 
 
 def emit(spec: KernelSpec) -> tuple[Path, Callable]:
-    """Render, write (once) and import the kernel; returns its file and its ``launch``."""
+    """Render the kernel, keep its file in the kernel cache, and run the rendered text (never
+    the file: :mod:`fuser.codegen.kernel_cache`); returns its file and its ``launch``."""
     stem, source = kernel_source(spec)
     path = kernel_dir() / f"{stem}.py"
     with _LOAD_LOCK:
-        if not path.exists() or path.read_text() != source:
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-                f.write(source)
-            os.replace(f.name, path)
+        store(path, source)
         if stem in _LOADED:
             return path, _LOADED[stem]
-        module_spec = importlib.util.spec_from_file_location(f"fuser_kernels.{stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = load(path, source, f"fuser_kernels.{stem}")
         for value in vars(module).values():
             forbid_compile_during_capture(value, path)
         launch = module.launch
