@@ -1,7 +1,10 @@
-"""Snapshots of the kernel source fuser renders for the tiny DSv4 layer (and, nested, its shared expert).
+"""Snapshots of the kernel source fuser renders for the tiny DSv4 layer (and, nested, its shared
+expert), and for the hand-written templates it does not use.
 
 A snapshot is ``tests/codegen/snapshots/<pattern>__<n>.py``: the n-th distinct kernel file of that
-pattern, in the order of the kernel file names. After an intended change to a template, the
+pattern, in the order of the kernel file names; a hand-written template's is
+``tests/codegen/snapshots/templates/<template>__<case>.py``, the kernel of a pattern that lowers
+to it fused at the pattern's example sizes (or of a repeat_kv copy). After an intended change to a template, the
 lowering or a pattern, regenerate them and review the diff:
 
     FUSER_UPDATE_SNAPSHOTS=1 TRITON_INTERPRET=1 python -m pytest -q tests/codegen/test_snapshots.py
@@ -21,6 +24,9 @@ import fuser.pipeline.passes
 import fuser.codegen.emit
 from examples.dsv4 import layer as dsv4
 from fuser.canon.canonicalize import canonicalize
+from fuser.match.pattern_files import load_pattern
+from fuser.pattern import example_tensors, is_hand_written, patterns_dir
+from fuser.testing import reference_module
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 UPDATE_ENV = "FUSER_UPDATE_SNAPSHOTS"
@@ -174,3 +180,62 @@ def test_kernel_paths_exist_in_the_current_kernel_directory(tmp_path, monkeypatc
         for k in plan.kernels:
             assert Path(k.path).parent == tmp_path / sub
             assert Path(k.path).is_file(), f"{k.path} does not exist"
+
+
+# --- the hand-written templates (no DSv4 kernel uses them) -------------------------------------
+HAND_WRITTEN_SNAPSHOTS = SNAPSHOTS / "templates"
+
+
+class RepeatKV(nn.Module):
+    """transformers' repeat_kv: the key heads repeated, a reshape of a view no view fits."""
+
+    def forward(self, keys):
+        T, heads, slots, dim = keys.shape
+        return keys[:, :, None].expand(T, heads, 2, slots, dim).reshape(T, heads * 2, slots, dim)
+
+
+def hand_written_cases() -> dict[str, tuple[nn.Module, tuple, dict]]:
+    """A module, its inputs and fuser's options per case: each pattern that lowers to a
+    hand-written template, fused at its example sizes as fuser.testing fuses it, and a
+    repeat_kv copy (fuser.install.copies)."""
+    cases = {}
+    for name in ("mhc_sinkhorn", "mhc_sinkhorn_rms", "expert_sort", "expert_sort_rows"):
+        pattern = load_pattern(patterns_dir() / f"{name}.py")
+        inputs = example_tensors(pattern, dict(pattern.example), {}, T=3)
+        batch = {n: 0 for n, spec in pattern.inputs.items() if spec.dims[:1] == ("T",)}
+        cases[name] = (reference_module(pattern), inputs, dict(patterns=[pattern.path], batch_inputs=batch))
+    cases["copy"] = (RepeatKV(), (torch.randn(3, 2, 5, 8),), {})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def hand_written_kernels() -> dict[str, Path]:
+    """snapshot file name (``<template>__<case>.py``) -> kernel file."""
+    names = {}
+    for case, (module, inputs, options) in hand_written_cases().items():
+        report = fuser.explain(module, inputs, validate=False, **options)
+        for chain in report.chains:
+            if is_hand_written(chain.template):
+                names[f"{chain.template}__{case}.py"] = Path(chain.path)
+    return names
+
+
+def test_hand_written_kernel_sources_match_their_snapshots(hand_written_kernels):
+    failures = []
+    for name, kernel_file in hand_written_kernels.items():
+        try:
+            check_snapshot(HAND_WRITTEN_SNAPSHOTS, name, kernel_file.read_text(), updating())
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, "\n\n".join(failures)
+    stale = sorted(p.name for p in HAND_WRITTEN_SNAPSHOTS.glob("*.py") if p.name not in hand_written_kernels)
+    if updating():
+        for name in stale:
+            (HAND_WRITTEN_SNAPSHOTS / name).unlink()
+        stale = []
+    assert not stale, f"snapshots no kernel renders any more: {stale}; remove them with:\n    {HOW_TO_UPDATE}"
+
+
+def test_every_hand_written_template_has_a_snapshot(hand_written_kernels):
+    templates = {name.split("__")[0] for name in hand_written_kernels}
+    assert templates == {t for t in fuser.codegen.emit.template_names() if is_hand_written(t)}
