@@ -52,6 +52,15 @@ def read_attributes(module: torch.nn.Module, names: tuple[str, ...]) -> tuple:
     return values if len(names) > 1 else (values,)
 
 
+_MISSING = object()
+
+
+def _owner(module: torch.nn.Module, path: str):
+    """The submodule that holds the attribute at dotted ``path``."""
+    owner = path.rpartition(".")[0]
+    return module.get_submodule(owner) if owner else module
+
+
 def _stamp(tensors) -> tuple:
     """What changes when a tensor is written in place (version counter) or replaced (storage).
     Inference tensors keep no version counter: only their storage is compared."""
@@ -153,7 +162,7 @@ class Guard:
         if reason is None and self.state_reads:
             reason = self._state_changed(tensors)
         if reason is None and self.predicate is not None and not self.predicate(*args, **kwargs):
-            reason = "the user guard declined"
+            reason = USER_GUARD
         if reason is not None:
             return None, reason
         return tensors, None
@@ -189,11 +198,16 @@ class Literals:
 
     values: dict[str, Any]
     warned: bool = False
+    # (owner submodule, attribute, value) per path, found at the first call: a submodule
+    # replaced since is seen by the guard's ModuleSnapshot, which is asked first
+    owners: list | None = None
 
     def current(self, module: torch.nn.Module) -> bool:
-        names = tuple(self.values)
-        if read_attributes(module, names) == tuple(self.values.values()):
+        if self.owners is None:
+            self.owners = [(_owner(module, path), path.rpartition(".")[2], value) for path, value in self.values.items()]
+        if all(getattr(owner, name, _MISSING) == value for owner, name, value in self.owners):
             return True
+        names = tuple(self.values)
         if not self.warned:
             self.warned = True
             now = dict(zip(names, read_attributes(module, names)))
@@ -213,29 +227,59 @@ class ModuleSnapshot:
     the kernels would read) and each submodule's ``training`` flag (dropout is the identity in
     eval mode only; ``.train()`` after apply must run it)."""
 
-    tensors: tuple  # (module, "parameter"/"buffer" name, dtype, device) per tensor
+    tensors: tuple  # (module, its _parameters or _buffers, name, dtype, device) per tensor
     training: tuple  # (module, flag) per submodule
+    children: tuple = ()  # (module, name, child) per submodule: a replaced one is seen
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> "ModuleSnapshot":
-        tensors, training = [], []
+        tensors, training, children = [], [], []
         for sub in module.modules():
             training.append((sub, sub.training))
+            children += [(sub, name, child) for name, child in sub._modules.items()]
             for store in (sub._parameters, sub._buffers):
-                tensors += [(sub, name, t.dtype, t.device) for name, t in store.items() if t is not None]
-        return cls(tuple(tensors), tuple(training))
+                tensors += [(sub, store, name, t.dtype, t.device) for name, t in store.items() if t is not None]
+        return cls(tuple(tensors), tuple(training), tuple(children))
 
     def differs(self, module: torch.nn.Module) -> str | None:
         """None when the module still is as it was fused, else what changed."""
+        for sub, name, child in self.children:
+            if sub._modules.get(name) is not child:
+                return f"{type(sub).__name__}.{name} was replaced"
         for sub, flag in self.training:
-            if sub.training != flag:
+            if sub.training is not flag:
                 return f"{type(sub).__name__}.training is {sub.training}, fused with {flag}"
-        for sub, name, dtype, device in self.tensors:
-            now = sub._parameters.get(name) if name in sub._parameters else sub._buffers.get(name)
-            if now is None or now.dtype != dtype or now.device != device:
+        for sub, store, name, dtype, device in self.tensors:
+            now = store.get(name)
+            if now is None or now.dtype is not dtype or now.device != device:
                 what = "missing" if now is None else f"{now.dtype} on {now.device}"
                 return f"{type(sub).__name__}.{name} is {what}, fused as {dtype} on {device}"
         return None
+
+
+@dataclass
+class CallCounts:
+    """How the calls of a fused module went: fused, or declined by reason (the guard's reason,
+    or what changed on the module). The first decline of a module warns, naming its reason,
+    unless it is the user's own guard declining or a change that warns itself."""
+
+    fused: int = 0
+    declined: dict[str, int] = field(default_factory=dict)
+    warned: bool = False
+
+    def decline(self, module: torch.nn.Module, reason: str, warn: bool) -> None:
+        self.declined[reason] = self.declined.get(reason, 0) + 1
+        if warn and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"fuser: {type(module).__name__} runs its own forward, not the fused one: {reason} "
+                "(fuser.stats counts every call; later ones do not warn)",
+                stacklevel=user_stacklevel(),
+            )
+
+
+USER_GUARD = "the user guard declined"
+AUTOGRAD = "autograd would record the call (grad enabled and an input or parameter requires grad): the kernels have no backward"
 
 
 @dataclass
@@ -248,14 +292,24 @@ class FuserState:
     precomputed: Precomputed | None = None
     literals: Literals = field(default_factory=lambda: Literals({}))
     snapshot: ModuleSnapshot | None = None
+    calls: CallCounts = field(default_factory=CallCounts)
+
+    def stale(self, module: torch.nn.Module) -> tuple[str | None, bool]:
+        """(None, _) when what the fused graph fixed at apply time still holds; else (what
+        changed, whether that already warned)."""
+        if self.snapshot is not None:
+            why = self.snapshot.differs(module)
+            if why is not None:
+                return why, False
+        if self.literals.values and not self.literals.current(module):
+            return "a scalar attribute the fused graph holds changed", True
+        if self.precomputed is not None and not self.precomputed.current(module):
+            return "parameters changed inside a CUDA-graph capture", True
+        return None, False
 
     def current(self, module: torch.nn.Module) -> bool:
         """Does what the fused graph fixed at apply time still hold?"""
-        if self.snapshot is not None and self.snapshot.differs(module) is not None:
-            return False
-        if self.literals.values and not self.literals.current(module):
-            return False
-        return self.precomputed is None or self.precomputed.current(module)
+        return self.stale(module)[0] is None
 
 
 def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callable:
@@ -291,10 +345,17 @@ class GuardedForward:
         module = self.module
         state = module.__dict__.get(STATE_ATTR)
         if state is not None:
-            traced_args, _ = state.guard.check(args, kwargs)  # every tensor of the call, or None
-            if traced_args is not None and not _wants_grad(module, traced_args) and state.current(module):
+            traced_args, why = state.guard.check(args, kwargs)  # every tensor of the call, or None
+            warned = why == USER_GUARD  # the user's own predicate: not news to them
+            if why is None and _wants_grad(module, traced_args):
+                why = AUTOGRAD
+            if why is None:
+                why, warned = state.stale(module)
+            if why is None:
+                state.calls.fused += 1
                 with _one_at_a_time():
                     return state.fused(module, *traced_args)
+            state.calls.decline(module, why, warn=not warned)
         return _eager_forward(module, state)(*args, **kwargs)
 
 
@@ -438,3 +499,13 @@ def restore(module: torch.nn.Module) -> None:
 
 def is_fused(module: torch.nn.Module) -> bool:
     return STATE_ATTR in module.__dict__
+
+
+def call_counts(module: torch.nn.Module) -> dict[str, dict]:
+    """Each fused module in ``module`` (itself included) by qualified name: its calls that ran
+    fused, and those declined, by reason."""
+    return {
+        name: {"fused": state.calls.fused, "declined": dict(state.calls.declined)}
+        for name, m in module.named_modules()
+        if (state := m.__dict__.get(STATE_ATTR)) is not None
+    }

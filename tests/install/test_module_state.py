@@ -118,3 +118,12 @@ def test_a_qwen3_layer_made_float32_after_apply_runs_its_own_forward(launches):
     assert launches == []
     got, expected = (got[0], expected[0]) if isinstance(got, tuple) else (got, expected)
     assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+def test_a_submodule_replaced_after_apply_is_seen(launches):
+    module, x = NormThenDropout().eval(), randn(6, 32)
+    fuser.apply(module, (x,))
+    module.dropout = nn.Dropout(0.5).train()
+    launches.clear()
+    assert torch.equal(called(module, x, seed=5), own_forward(module, x, seed=5))
+    assert launches == []
