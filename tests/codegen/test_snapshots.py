@@ -2,7 +2,7 @@
 expert), and for the hand-written templates it does not use.
 
 A snapshot is ``tests/codegen/snapshots/<pattern>__<n>.py``: the n-th distinct kernel file of that
-pattern, in the order of the kernel file names; a hand-written template's is
+pattern, in the order of the graph nodes the kernels compute; a hand-written template's is
 ``tests/codegen/snapshots/templates/<template>__<case>.py``, the kernel of a pattern that lowers
 to it fused at the pattern's example sizes (or of a repeat_kv copy). After an intended change to a template, the
 lowering or a pattern, regenerate them and review the diff:
@@ -38,13 +38,17 @@ def updating() -> bool:
 
 
 def snapshot_names(kernels) -> dict[str, Path]:
-    """snapshot file name -> kernel file, for every distinct kernel file of a plan."""
-    by_pattern: dict[str, set[Path]] = defaultdict(set)
+    """snapshot file name -> kernel file, for every distinct kernel file of a plan, numbered in
+    the order of the graph nodes each computes (not of the file names: a file's name carries a
+    hash of its source, so any template change would renumber the snapshots)."""
+    by_pattern: dict[str, dict[Path, tuple]] = defaultdict(dict)
     for k in kernels:
-        by_pattern[k.region.pattern].add(Path(k.path))
+        nodes = tuple(n.name for n in k.region.nodes)
+        paths = by_pattern[k.region.pattern]
+        paths[Path(k.path)] = min(paths.get(Path(k.path), nodes), nodes)
     names = {}
     for pattern, paths in sorted(by_pattern.items()):
-        for n, path in enumerate(sorted(paths, key=lambda p: p.name)):
+        for n, path in enumerate(sorted(paths, key=lambda p: (paths[p], p.name))):
             names[f"{pattern}__{n}.py"] = path
     return names
 
