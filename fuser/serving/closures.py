@@ -1,4 +1,4 @@
-"""serving_closures: the closure seam (:class:`ClosureSeam`), fuser in place of an engine's
+"""closures: the closure seam (:class:`ClosureSeam`), fuser in place of an engine's
 ``torch.compile`` on nested helper functions (closures): each is fused at its first call on a
 stream that is not capturing, keyed by its code object and the contents of its closure cells."""
 

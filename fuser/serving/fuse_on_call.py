@@ -1,4 +1,4 @@
-"""serving_fuse: fusing one module (a layer's fusion target, a closure's module) on one real
+"""fuse_on_call: fusing one module (a layer's fusion target, a closure's module) on one real
 call's inputs, outside any CUDA-graph capture (:func:`fuse_now`), and what is logged, or
 raised when strict, when it is fused, cannot be fused (:class:`Unfusable`) or is first
 called inside a capture."""

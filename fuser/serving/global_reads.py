@@ -1,4 +1,4 @@
-"""serving_globals: the engine-wide flag functions traced code calls (sglang's
+"""global_reads: the engine-wide flag functions traced code calls (sglang's
 ``get_is_capture_mode()``) read as guarded values (:class:`GlobalReads`), each replaced
 during the trace, in its own module and in every module that imported it by name, by one
 that records what it returned."""

@@ -1,7 +1,8 @@
-"""serving: fuse inside a serving engine, lazily and never inside a CUDA-graph capture.
+"""lazy_fusion: fuse inside a serving engine, lazily and never inside a CUDA-graph capture.
 
-Engine-neutral; an engine adapter (``fuser/serving/engines/sglang.py``) decides *which* layers and
-calls qualify and supplies its engine's facts (its leaf classes, how a call says "decode").
+Engine-neutral; an engine adapter (one :class:`fuser.serving.engine.Engine`, in
+``fuser/serving/engines/``) supplies its engine's facts (its leaf classes, how a call says
+"decode"), and :func:`fuser.serving.engine.install` puts the model's layers under a splice.
 This module holds the mode splice and lazy fusion; the other parts have their own modules.
 
 * :class:`ModeSplice` wraps a layer's ``forward``: a call the adapter's predicate accepts

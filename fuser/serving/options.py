@@ -1,5 +1,6 @@
-"""serving_options: what the serving integration does (:class:`Options`), read from the
-``FUSER_*`` environment variables, which an engine's worker processes inherit."""
+"""options: what the serving integration does (:class:`Options`), read from the ``FUSER_*``
+environment variables, which an engine's worker processes inherit. An adapter's options (its
+default layer classes, its own variables) are a subclass that extends :meth:`Options.env_fields`."""
 
 from __future__ import annotations
 
@@ -38,13 +39,17 @@ class Options:
     draft: bool = False  # FUSER_DRAFT: also fuse speculative-decoding draft models
     strict: bool = False  # FUSER_STRICT: raise instead of leaving a module eager
     precompute: bool = True  # FUSER_PRECOMPUTE: parameter-only glue computed once at fuse time
-    compile_seam: bool = True  # FUSER_COMPILE_SEAM: replace the engine's torch.compile seam
     explain: bool = False  # FUSER_EXPLAIN: log what is selected, and each fused module's full report
 
     @classmethod
     def from_env(cls, environ=None):
         environ = os.environ if environ is None else environ
-        return cls(
+        return cls(**cls.env_fields(environ))
+
+    @classmethod
+    def env_fields(cls, environ) -> dict:
+        """The fields ``environ`` gives, by name; an adapter's subclass adds its own variables."""
+        return dict(
             enable=env_flag(environ, "FUSER_ENABLE"),
             layers=env_names(environ, "FUSER_LAYERS") or cls().layers,
             patterns=env_names(environ, "FUSER_PATTERNS", os.pathsep),
@@ -52,7 +57,6 @@ class Options:
             draft=env_flag(environ, "FUSER_DRAFT"),
             strict=env_flag(environ, "FUSER_STRICT"),
             precompute=env_flag(environ, "FUSER_PRECOMPUTE", True),
-            compile_seam=env_flag(environ, "FUSER_COMPILE_SEAM", True),
             explain=env_flag(environ, "FUSER_EXPLAIN"),
         )
 

@@ -1,13 +1,23 @@
-"""serving_targets: what an engine adapter says about its modules (:class:`EngineFacts`) and
-which submodules of a layer are fused (:func:`fusion_targets`): the topmost ones that are not
-leaves and do not pass the engine's per-call state into leaves that consume it."""
+"""targets: what fuser knows about an engine's modules (:class:`EngineFacts`) and which
+submodules of a layer are fused (:func:`fusion_targets`): the topmost ones that are not leaves
+and do not pass the engine's per-call state into leaves that consume it.
+
+The engine-neutral halves of those facts are here too: the leaves of every engine
+(:func:`is_fusers_leaf`: ``@fuser.opaque`` classes and the tracer's default leaves) and whether
+a module's called method takes or requires the per-call state (:func:`takes_state`,
+:func:`requires_state`, :func:`passes_state_to_leaves`); :class:`fuser.serving.engine.Engine`
+builds its :class:`EngineFacts` from them and the adapter's own callbacks."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from fuser.ir.opaque import is_opaque
+from fuser.trace.tracer import DEFAULT_LEAF_TYPES
 
 
 def _forward_of(module: torch.nn.Module) -> Callable:
@@ -91,3 +101,47 @@ def fusion_targets(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[str
     """The submodules of ``layer`` to fuse (see :func:`target_decisions`)."""
     return [(path, layer.get_submodule(path)) for path, _, decision in target_decisions(layer, facts)
             if decision == "target"]
+
+
+# ------------------------------------------------------------------------------------------
+# The engine-neutral facts: fuser's own leaves, and who takes the per-call state
+# ------------------------------------------------------------------------------------------
+
+
+def is_fusers_leaf(module: torch.nn.Module) -> bool:
+    """A leaf in every engine: a class marked ``@fuser.opaque``, or one the tracer always keeps
+    opaque (``torch.nn.Linear``, ``torch.nn.Embedding``)."""
+    return is_opaque(type(module)) or isinstance(module, DEFAULT_LEAF_TYPES)
+
+
+def takes_anything(function: Callable) -> bool:
+    """Does ``function`` take ``*args`` or ``**kwargs`` (so that what it takes cannot be told
+    from its signature)?"""
+    kinds = {p.kind for p in inspect.signature(function).parameters.values()}
+    return inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.VAR_KEYWORD in kinds
+
+
+def takes_state(module: torch.nn.Module, state: str, called_method: Callable = _forward_of) -> bool:
+    """Does the method the engine calls on ``module`` take the per-call argument ``state``
+    (sglang: ``forward_batch``), or take anything at all, so that it cannot be told?"""
+    method = called_method(module)
+    return takes_anything(method) or state in inspect.signature(method).parameters
+
+
+def requires_state(module: torch.nn.Module, state: str, called_method: Callable = _forward_of) -> bool:
+    """Does the method the engine calls on ``module`` require ``state`` (a parameter with no
+    default: attention, a KV-cache writer), rather than take it optionally (a row-parallel GEMM)?"""
+    parameter = inspect.signature(called_method(module)).parameters.get(state)
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def passes_state_to_leaves(module: torch.nn.Module, state: str, is_leaf: Callable[[torch.nn.Module], bool],
+                           called_method: Callable = _forward_of) -> bool:
+    """Does ``module`` take ``state`` and hold a leaf that requires it (attention, a KV-cache
+    writer: they read the attention backend's per-batch metadata and write the cache)? Such a
+    module is searched for targets, not traced: its own control flow may read the engine's
+    forward context (sglang's ``get_attn_backend()``), engine state that no guard compares."""
+    if not takes_state(module, state, called_method):
+        return False
+    return any(requires_state(module.get_submodule(path), state, called_method)
+               for path in leaf_paths(module, is_leaf))

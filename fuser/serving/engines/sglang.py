@@ -1,12 +1,12 @@
-"""sglang_plugin: fuser inside an sglang server, turned on with ``FUSER_ENABLE=1``.
+"""sglang: fuser inside an sglang server, turned on with ``FUSER_ENABLE=1``.
 
     FUSER_ENABLE=1 python -m sglang.launch_server --model-path ...
 
-This is the sglang adapter of :mod:`fuser.serving.lazy_fusion` and the ``fuser.serving_*`` modules (which
-hold the engine-neutral parts: the mode splice, lazy fusion at the first eligible call, target
-selection, the capture checks, the options).
-What is sglang's here: its hooks, its class names, ``forward_batch`` and
-``model._derived_weight_cache_error``.
+This is sglang's adapter: it describes sglang in one :class:`fuser.serving.engine.Engine`
+(:data:`SGLANG`) and holds only what is sglang's: its hooks, its class names, ``forward_batch``,
+its fused ops and flags, its options and ``model._derived_weight_cache_error``. The rest (the
+mode splice over the layers, lazy fusion at the first decode call, target selection, the
+capture checks, what is logged) is :mod:`fuser.serving`.
 
 sglang runs the plugins of the ``sglang.srt.plugins`` entry-point group in every scheduler
 process (they are spawned: a patch made in the launcher would never reach the model).
@@ -22,10 +22,10 @@ process (they are spawned: a patch made in the launcher would never reach the mo
   (SGLANG.md §3). It skips draft workers and ``--enable-torch-compile`` servers, then puts
   every decoder layer of a known class (also by the name of an alias: sglang's
   ``DeepseekV4DecoderLayer`` is the CUDA class on CUDA and the platform class elsewhere)
-  under a :class:`fuser.serving.lazy_fusion.ModeSplice` that only ``forward_batch.forward_mode.is_decode()``
-  calls take. Inside a layer, the fusion targets are the topmost submodules that are not
-  sglang leaves (:func:`is_leaf`: ``LinearBase`` GEMMs, ``FusedMoE``, ``RadixAttention``, and
-  every ``BaseFusedOp`` that runs a kernel; one that runs its torch reference is glue) and
+  under a :class:`fuser.serving.lazy_fusion.ModeSplice` (:func:`fuser.serving.engine.install`)
+  that only ``forward_batch.forward_mode.is_decode()`` calls take. Inside a layer, the fusion targets are the topmost submodules that are not
+  sglang leaves (:func:`is_sglang_leaf`: ``LinearBase`` GEMMs, ``FusedMoE``, ``RadixAttention``,
+  and every ``BaseFusedOp`` that runs a kernel; one that runs its torch reference is glue) and
   that do not pass ``forward_batch`` into a leaf that requires it (attention: those are
   searched). A target that takes ``forward_batch`` (DeepSeek-V4's MoE block) is traced with
   it as state. Each target is fused at its first decode call (sglang's warm-ups), with that
@@ -55,18 +55,17 @@ Configuration (environment, inherited by the scheduler processes):
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import sys
 from dataclasses import dataclass, replace
 
 import torch
 
-from fuser.serving import lazy_fusion as serving
-
+from fuser.serving import engine
 from fuser.serving import options as serving_options
-from fuser.serving.lazy_fusion import SPLICE_ATTR, LazyFusion, ModeSplice, uninstall
-from fuser.serving.targets import EngineFacts, decisions_text, fusion_targets, leaf_paths, target_decisions
+from fuser.serving.engine import Engine, layer_class_matches
+from fuser.serving.lazy_fusion import SPLICE_ATTR, ModeSplice, mode_active, uninstall
+from fuser.serving.options import env_flag
+from fuser.serving.targets import takes_anything, takes_state
 
 log = logging.getLogger("fuser")
 
@@ -74,6 +73,7 @@ INITIALIZE = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 # sglang's DSv4 layer classes: the CUDA one, and the alias that names the platform class off CUDA.
 DEFAULT_LAYERS = ("DeepseekV4CudaDecoderLayer", "DeepseekV4DecoderLayer")
 DERIVED_CACHE_ATTR = "_derived_weight_cache_error"
+CALL_STATE = "forward_batch"
 
 #: sglang's module classes that are leaves, never fusion targets: (module, class name).
 LEAF_CLASSES = (
@@ -97,6 +97,11 @@ GLOBAL_READS = (
 @dataclass(frozen=True)
 class Options(serving_options.Options):
     layers: tuple[str, ...] = DEFAULT_LAYERS
+    compile_seam: bool = True  # FUSER_COMPILE_SEAM: fuser's compile_in_capture_mode in place of sglang's
+
+    @classmethod
+    def env_fields(cls, environ) -> dict:
+        return {**super().env_fields(environ), "compile_seam": env_flag(environ, "FUSER_COMPILE_SEAM", True)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -144,6 +149,17 @@ def after_initialize(result, runner, *args, **kwargs):
     return
 
 
+def install(model: torch.nn.Module, options: Options) -> list[ModeSplice]:
+    """Put every sglang decoder layer of ``model`` named in ``options.layers`` under the decode
+    splice (:func:`fuser.serving.engine.install`)."""
+    return engine.install(model, SGLANG, options)
+
+
+def decisions(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """What the plugin decides for each submodule of a decoder layer: leaf, searched or target."""
+    return engine.decisions(layer, SGLANG)
+
+
 # ------------------------------------------------------------------------------------------
 # What sglang's classes mean to fuser
 # ------------------------------------------------------------------------------------------
@@ -154,18 +170,13 @@ def is_decode(forward_batch) -> bool:
     return mode is not None and bool(mode.is_decode())
 
 
-def decode_call(arguments: dict) -> bool:
-    """Does a layer call (its bound arguments) run in decode mode?"""
-    return is_decode(arguments.get("forward_batch"))
-
-
-decode_active = serving.mode_active
+decode_active = mode_active
 
 
 @functools.lru_cache(maxsize=None)
 def leaf_types() -> tuple[type, ...]:
     """The leaf classes of :data:`LEAF_CLASSES` that the installed sglang has (looked up once:
-    :func:`is_leaf` asks for every submodule of every layer)."""
+    :func:`is_sglang_leaf` asks for every submodule of every layer)."""
     found = []
     for module_name, class_name in LEAF_CLASSES:
         try:
@@ -179,16 +190,13 @@ def leaf_types() -> tuple[type, ...]:
     return tuple(found)
 
 
-def is_leaf(module: torch.nn.Module, extra: tuple[type, ...] = ()) -> bool:
-    """A module fuser keeps opaque and never fuses: a GEMM, attention, the experts, one of
-    sglang's own kernels, or a class marked ``@fuser.opaque``. A fused op that runs its torch
-    reference (:func:`runs_torch_reference`: ``SGLANG_FORCE_FUSED_OP_BACKEND=torch``) is glue,
-    unless it takes ``forward_batch`` (the DSv4 compressor writes the KV cache)."""
-    from fuser.ir.opaque import is_opaque
-    from fuser.trace.tracer import DEFAULT_LEAF_TYPES
-
+def is_sglang_leaf(module: torch.nn.Module) -> bool:
+    """One of sglang's modules that fuser keeps opaque and never fuses: a GEMM, attention, the
+    experts or one of sglang's own kernels. A fused op that runs its torch reference
+    (:func:`runs_torch_reference`: ``SGLANG_FORCE_FUSED_OP_BACKEND=torch``) is glue, unless it
+    takes ``forward_batch`` (the DSv4 compressor writes the KV cache)."""
     kernels = tuple(c for c in leaf_types() if not _is_fused_op_base(c))  # GEMMs, experts, attention
-    if is_opaque(type(module)) or isinstance(module, DEFAULT_LEAF_TYPES + kernels + extra):
+    if isinstance(module, kernels):
         return True
     if not is_fused_op(module):
         return False
@@ -222,122 +230,60 @@ def called_method(module: torch.nn.Module):
     ``forward_native`` when it runs its torch reference; for another ``forward(*args,
     **kwargs)`` that dispatches (sglang's multi-platform ops) the method it resolved to."""
     forward = module.forward
-    if not _takes_anything(forward):
+    if not takes_anything(forward):
         return forward
     if is_fused_op(module) and runs_torch_reference(module):
         return module.forward_native
     for name in ("_forward_method", "forward_native"):
         method = getattr(module, name, None)
-        if callable(method) and not _takes_anything(method):
+        if callable(method) and not takes_anything(method):
             return method
     return forward
-
-
-def _takes_anything(function) -> bool:
-    kinds = {p.kind for p in inspect.signature(function).parameters.values()}
-    return inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.VAR_KEYWORD in kinds
 
 
 def takes_forward_batch(module: torch.nn.Module) -> bool:
     """Does the method sglang calls take ``forward_batch`` (or take anything at all, so that it
     cannot be told)?"""
-    method = called_method(module)
-    return _takes_anything(method) or "forward_batch" in inspect.signature(method).parameters
+    return takes_state(module, CALL_STATE, called_method)
 
 
-def requires_forward_batch(module: torch.nn.Module) -> bool:
-    """Does the method sglang calls require ``forward_batch`` (a parameter with no default:
-    attention, the DSv4 compressor), rather than take it optionally (a row-parallel GEMM)?"""
-    parameter = inspect.signature(called_method(module)).parameters.get("forward_batch")
-    return parameter is not None and parameter.default is inspect.Parameter.empty
+def declare_weight_caches(model: torch.nn.Module, message: str) -> None:
+    """Tell sglang's weight updater that fuser holds values computed from weights."""
+    object.__setattr__(model, DERIVED_CACHE_ATTR, message)
 
 
-def passes_forward_batch_to_leaves(module: torch.nn.Module) -> bool:
-    """Does ``module`` take ``forward_batch`` and hold a leaf that requires it (attention, the
-    DSv4 compressor: they read the attention backend's per-batch metadata and write the KV
-    cache)? Such a module is searched for targets, not traced: its own control flow reads the
-    forward context (``get_attn_backend()``), engine state that no guard compares."""
-    if not takes_forward_batch(module):
-        return False
-    return any(requires_forward_batch(module.get_submodule(path)) for path in leaf_paths(module, is_leaf))
+#: sglang, as fuser's serving core sees it.
+SGLANG = Engine(
+    call_state=CALL_STATE,
+    is_decode=is_decode,
+    is_leaf=is_sglang_leaf,
+    called_method=called_method,
+    global_reads=GLOBAL_READS,
+    always_guarded=(FUSED_OP_BACKEND,),  # the leaf decisions depend on it
+    declare_weight_caches=declare_weight_caches,
+    no_targets="(GEMMs, experts, attention and sglang's own kernels are leaves; the rest passes "
+               "forward_batch to attention); its mHC glue is fused through the compile seam",
+)
 
+#: A module fuser keeps opaque in sglang: one of sglang's (:func:`is_sglang_leaf`) or one of
+#: fuser's own (``@fuser.opaque`` classes, ``torch.nn.Linear``, ``torch.nn.Embedding``).
+is_leaf = SGLANG.is_any_leaf
 
-def engine_facts() -> EngineFacts:
-    """What the serving core needs to know about sglang's modules."""
-    return EngineFacts(is_leaf=is_leaf, searched=passes_forward_batch_to_leaves, called_method=called_method,
-                       global_reads=GLOBAL_READS, always_guarded=(FUSED_OP_BACKEND,))
-
-
-def layer_class_matches(cls: type, names: tuple[str, ...]) -> bool:
-    """Is ``cls`` named in ``names``, by its own name or by an alias in its module (sglang's
-    ``DeepseekV4DecoderLayer`` is the platform class off CUDA)?"""
-    if cls.__name__ in names:
-        return True
-    home = sys.modules.get(cls.__module__)
-    return home is not None and any(getattr(home, name, None) is cls for name in names)
-
-
-# ------------------------------------------------------------------------------------------
-# The decode splice
-# ------------------------------------------------------------------------------------------
-
-
-def install(model: torch.nn.Module, options: Options) -> list[ModeSplice]:
-    """Put every decoder layer of ``model`` whose class is in ``options.layers`` under a
-    decode splice. Nothing is traced here: each target is fused at its first decode call."""
-    splices, explained = [], set()
-    for name, module in model.named_modules():
-        if not layer_class_matches(type(module), options.layers) or SPLICE_ATTR in module.__dict__:
-            continue
-        if any(name.startswith(s.name + ".") for s in splices):
-            continue  # inside a layer already spliced
-        if "forward_batch" not in inspect.signature(module.forward).parameters:
-            log.warning("fuser: %s (%s) takes no forward_batch: decode and prefill cannot be told "
-                        "apart, left eager", name, type(module).__name__)
-            continue
-        facts = engine_facts()
-        targets = fusion_targets(module, facts)
-        if not targets:
-            log.info("fuser: %s (%s): no submodule to fuse (GEMMs, experts, attention and sglang's "
-                     "own kernels are leaves; the rest passes forward_batch to attention); its mHC "
-                     "glue is fused through the compile seam", name, type(module).__name__)
-            continue
-        if options.explain:  # once for each layer class and structure
-            decided = target_decisions(module, facts)
-            if (type(module), tuple(decided)) not in explained:
-                explained.add((type(module), tuple(decided)))
-                log.info("%s", decisions_text(name, module, decided))
-        on_fused = lambda target, model=model: declare_weight_caches(model, target)
-        splices.append(ModeSplice(name, module, decode_call, targets, options, facts, on_fused))
-    return splices
-
-
-def decisions(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
-    """What the plugin decides for each submodule of a decoder layer: leaf, searched or target."""
-    return target_decisions(layer, engine_facts())
-
-
-def declare_weight_caches(model: torch.nn.Module, target: LazyFusion) -> None:
-    """Tell sglang's weight updater that ``target`` holds values computed from weights."""
-    from fuser.install.splice import STATE_ATTR
-
-    state = target.fused_module.__dict__.get(STATE_ATTR)
-    if state is not None and state.constants:
-        object.__setattr__(
-            model, DERIVED_CACHE_ATTR,
-            "fuser holds values computed from the weights at fuse time (e.g. "
-            f"{target.name}: {', '.join(state.constants)}); CUDA graphs and fused kernels would "
-            "not see updated weights: restart the server (or re-run fuser) after a weight update",
-        )
+#: Does a module take ``forward_batch`` and hold a leaf that requires it (searched, not traced)?
+passes_forward_batch_to_leaves = SGLANG.searched
 
 
 __all__ = [
+    "SGLANG",
+    "SPLICE_ATTR",
     "Options",
     "after_initialize",
+    "decisions",
     "decode_active",
     "install",
     "is_decode",
     "is_leaf",
+    "is_sglang_leaf",
     "layer_class_matches",
     "register",
     "passes_forward_batch_to_leaves",
