@@ -92,15 +92,19 @@ class CallSpec:
         """(the call's tensors in placeholder order, None) when the call has the example's
         structure and non-tensor values, else (None, why not)."""
         try:
-            bound = _bind(self.signature, args, kwargs)
+            bound = self._binding(len(args), tuple(kwargs))
         except TypeError as e:
             return None, str(e)
-        if len(bound.arguments) != len(self.arguments):
+        if len(bound) != len(self.arguments):
             return None, "a different set of arguments than traced"
         tensors = []
         for argument in self.arguments:
-            value = bound.arguments.get(argument.name)
-            leaves, spec = pytree.tree_flatten(value)
+            value = _take(bound.get(argument.name), args, kwargs)
+            leaves = _plain_leaves(value, argument.spec)
+            if leaves is not None:
+                spec = argument.spec  # what pytree would say, without asking it
+            else:
+                leaves, spec = pytree.tree_flatten(value)
             if spec != argument.spec:
                 return None, f"{argument.name} has another structure than traced ({_describe(value)})"
             for i, constant, label in argument.constants:
@@ -115,6 +119,18 @@ class CallSpec:
                     return None, f"{argument.name} is not a tensor where the trace had one"
                 tensors.append(leaves[i])
         return tensors, None
+
+    def _binding(self, positional: int, keywords: tuple) -> dict:
+        """Where each parameter's value comes from in a call of ``positional`` arguments and
+        these ``keywords`` (which is all binding depends on): the call is bound once per such
+        shape, with markers in place of the values (:func:`_take` reads them)."""
+        cache = self.__dict__.setdefault("_bindings", {})
+        found = cache.get((positional, keywords))
+        if found is None:
+            markers = tuple(_Position(i) for i in range(positional))
+            found = dict(_bind(self.signature, markers, {k: _Keyword(k) for k in keywords}).arguments)
+            cache[(positional, keywords)] = found
+        return found
 
     def rebuild(self, tensors) -> tuple[tuple, dict]:
         """The call (args, kwargs) with the given values in place of the example's tensors, each
@@ -308,6 +324,56 @@ def _positional_names(signature: inspect.Signature, count: int) -> set[str]:
         if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
             names.add(parameter.name)
     return names
+
+
+#: Values pytree takes as a leaf whatever is registered with it.
+_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class _Position:
+    index: int
+
+
+@dataclass(frozen=True)
+class _Keyword:
+    name: str
+
+
+def _plain_leaves(value, spec: pytree.TreeSpec) -> list | None:
+    """``value``'s leaves when ``spec`` is a leaf, or a tuple or dict of leaves, and ``value`` is
+    such a thing of plain values (tensors, numbers, None, ...) laid out as ``spec`` says; else
+    None (pytree is asked). The guard's common case, without pytree's cost."""
+    if spec.is_leaf():
+        return [value] if isinstance(value, _LEAVES) else None
+    if spec.type is tuple and type(value) is tuple and len(value) == spec.num_children:
+        children = value
+    elif spec.type is dict and type(value) is dict and list(value) == spec.context:
+        children = tuple(value.values())
+    else:
+        return None
+    if all(isinstance(c, _LEAVES) for c in children) and all(s.is_leaf() for s in _children(spec)):
+        return list(children)
+    return None
+
+
+def _children(spec: pytree.TreeSpec) -> list:
+    """``spec``'s child specs (``children()`` in newer torch, ``children_specs`` before)."""
+    return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+
+
+def _take(where, args: tuple, kwargs: dict):
+    """A bound value with the call's arguments in place of the markers :meth:`CallSpec._binding`
+    bound (a default stays as it is; ``*args`` and ``**kwargs`` are a tuple and a dict of them)."""
+    if type(where) is _Position:
+        return args[where.index]
+    if type(where) is _Keyword:
+        return kwargs[where.name]
+    if type(where) is tuple and where and all(type(w) is _Position for w in where):
+        return tuple(args[w.index] for w in where)
+    if type(where) is dict and where and all(type(w) is _Keyword for w in where.values()):
+        return {k: kwargs[w.name] for k, w in where.items()}
+    return where
 
 
 def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
