@@ -33,8 +33,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fuser.ir import ops
-from fuser.canon.ops import OpCanonicals
-from fuser.canon.views import ViewCanonicals
+from fuser.canon.ops import constant
+from fuser.canon.registry import ANY_DTYPE, SEVERAL, TENSOR
+from fuser.canon.views import aliases, cast_or_copy, index_arithmetic, view
 from fuser.ir.canonical_op import (  # noqa: F401 (the kinds and COp are read from here across fuser)
     COMPUTE, CONSTANTS, GLUE_KINDS, HEAVY, INPUT, KERNEL_DTYPES, META, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, COp,
     op_name, tensor_args, through_identities,
@@ -86,10 +87,11 @@ _MAX_PARTS = {
 }
 
 
-class Canonicalizer(ViewCanonicals, OpCanonicals):
+class Canonicalizer:
     """Builds the COp of every node of a traced graph: this class classifies each node and
-    rewrites spelling variants; views and indexing are :class:`~fuser.canon.views.ViewCanonicals`,
-    ops with several spellings :class:`~fuser.canon.ops.OpCanonicals`."""
+    rewrites spelling variants; an op with a rule of its own is canonicalised by the function
+    registered under its name (:mod:`fuser.canon.registry`), views and indexing by
+    :mod:`fuser.canon.views`, ops with several spellings by :mod:`fuser.canon.ops`."""
 
     def __init__(self, traced: Traced):
         self.traced = traced
@@ -114,7 +116,7 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
         batch = self.batch_dims(node)
         return tuple(-1 if i in batch else int(s) for i, s in enumerate(value.shape))
 
-    def _make(self, node, op, kind, args=(), attrs=None, covers=()):
+    def make(self, node, op, kind, args=(), attrs=None, covers=()):
         args = tuple(self.resolve(a) for a in args)
         attrs = tuple(sorted((attrs or {}).items()))
         return COp(op, kind, args, attrs, (node,) + tuple(covers))
@@ -129,31 +131,27 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
     def _canonical(self, node: fx.Node) -> COp:
         value = self.value(node)
         if node.op in ("placeholder", "get_attr"):
-            return self._make(node, "input", INPUT)
+            return self.make(node, "input", INPUT)
         if node.op == "call_module":
-            return self._make(node, node.target, HEAVY, node.args)
+            return self.make(node, node.target, HEAVY, node.args)
         target = node.target
         if node.meta.get(LEAF) or node.op == "call_function" and (
             target in HEAVY_FUNCTIONS
             or is_opaque(target)
             or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
         ):
-            return self._make(node, op_name(node), HEAVY, tensor_args(node))  # whatever it returns
+            return self.make(node, op_name(node), HEAVY, tensor_args(node))  # whatever it returns
         if not isinstance(value, torch.Tensor):
             if node.target is operator.setitem:
-                return self._make(node, "setitem", MUTATION, node.args[:1])
-            if op_name(node) == "topk" and _holds_tensors(value):
-                return self._topk(node)
-            if op_name(node) in _MAX_PARTS and _holds_tensors(value):
-                return self._max_along(node)
-            if op_name(node) == "sort" and _holds_tensors(value):
-                return self._sort(node)
+                return self.make(node, "setitem", MUTATION, node.args[:1])
+            if op_name(node) in SEVERAL and _holds_tensors(value):  # topk, max / min along a dim, sort
+                return SEVERAL[op_name(node)](self, node)
             if _holds_tensors(value) and op_name(node) not in ("chunk", "split", "unbind", "getattr", "getitem"):
                 # topk, sort, max(dim): one kernel returning several tensors; no template yet
-                return self._make(node, op_name(node), UNSUPPORTED, tensor_args(node))
-            return self._make(node, op_name(node), META)
+                return self.make(node, op_name(node), UNSUPPORTED, tensor_args(node))
+            return self.make(node, op_name(node), META)
         if node.op == "call_method" and target in HEAVY_METHODS:
-            return self._make(node, target, HEAVY, tensor_args(node))
+            return self.make(node, target, HEAVY, tensor_args(node))
         name = op_name(node)
         source = node.args[0] if node.args else None
         if (
@@ -166,63 +164,53 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
             part = _TOPK_PARTS.get(which) if isinstance(which, (str, int)) else None
             producer = self.cops.get(source)
             if part and producer and producer.op == "topk" and producer.kind == COMPUTE:
-                return self._make(node, part, UNIT_VIEW, (source,))  # free: picks one of its results
+                return self.make(node, part, UNIT_VIEW, (source,))  # free: picks one of its results
             if producer and producer.op in ("max_along", "min_along") and which in _MAX_PARTS[op_name(source)]:
                 # max(x, dim).values is amax(x, dim), .indices argmax(x, dim): one op each
-                return self._make(node, _MAX_PARTS[op_name(source)][which], COMPUTE, producer.args, dict(producer.attrs))
+                return self.make(node, _MAX_PARTS[op_name(source)][which], COMPUTE, producer.args, dict(producer.attrs))
             # no kernel of its own; which result it picks (sort(x)[0] or .values: part 0)
-            return self._make(node, "element", VIEW, (source,), {"part": _part_index(self.value(source), which)})
-        if name in _PAIR_VIEWS and self._aliases(node):
-            return self._make(node, name, UNIT_VIEW, tensor_args(node))
+            return self.make(node, "element", VIEW, (source,), {"part": _part_index(self.value(source), which)})
+        if name in _PAIR_VIEWS and aliases(self, node):
+            return self.make(node, name, UNIT_VIEW, tensor_args(node))
         if name in _EMPTIES:
-            return self._make(node, "empty", META)  # an allocation, of any dtype: no kernel, no launch
-        if name in ("histc", "cumsum"):
-            return getattr(self, f"_{name}")(node)
+            return self.make(node, "empty", META)  # an allocation, of any dtype: no kernel, no launch
+        if name in ANY_DTYPE:  # histc, cumsum
+            return ANY_DTYPE[name](self, node)
         if name == "inverse_permutation":  # fuser.trace.in_place_idioms: no template lowers it by itself
-            return self._make(node, name, UNSUPPORTED, node.args[:1])
+            return self.make(node, name, UNSUPPORTED, node.args[:1])
         if node.op == "call_method" and name in _CAST_METHODS and _returns_itself(value, self.value(source)):
-            return self._make(node, "identity", COMPUTE, (source,))  # x.to(its own device), of any dtype
+            return self.make(node, "identity", COMPUTE, (source,))  # x.to(its own device), of any dtype
         if _integer_cast(node, value, self.value(source)):
             # no kernel computes integers yet; a cast like any other, so that the spellings of
             # one chain that cast to different dtypes per device compare (x.float() / x.int())
-            return self._make(node, "cast", UNSUPPORTED, (source,), {"dtype": value.dtype})
+            return self.make(node, "cast", UNSUPPORTED, (source,), {"dtype": value.dtype})
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
         index_ok = value.dtype == torch.int64 and ops.TABLE.get(name, None) and ops.TABLE[name].result == ops.INDEX_RESULT
-        index_ok = index_ok or self._index_arithmetic(node, _ALIASES.get(name, name), value)
+        index_ok = index_ok or index_arithmetic(self, node, _ALIASES.get(name, name), value)
         if (value.dtype not in KERNEL_DTYPES or (value.dtype.is_complex and not complex_ok)) and not index_ok:
             if not is_view:
-                return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, tensor_args(node))
+                return self.make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, tensor_args(node))
         if name.endswith("_") and not name.startswith("_") or node.kwargs.get("out") is not None:
-            return self._make(node, name, MUTATION, tensor_args(node))
+            return self.make(node, name, MUTATION, tensor_args(node))
         name = _ALIASES.get(name, name)
         if name in ("max", "min") and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
             name = {"max": "maximum", "min": "minimum"}[name]  # torch.max(a, b): elementwise
         if name in _DROPOUTS and not _training(node):
-            return self._make(node, "identity", COMPUTE, (source,))  # dropout in eval mode
+            return self.make(node, "identity", COMPUTE, (source,))  # dropout in eval mode
         if node.op == "call_method" and name in _TRANSPARENT_METHODS or name in ("contiguous", "clone"):
-            return self._cast_or_copy(node)
+            return cast_or_copy(self, node)
         if name in _VIEW_METHODS or target is operator.getitem or name in ("chunk", "split"):
-            return self._view(node)
-        if name == "cat":
-            return self._cat(node)
-        if name == "gather":
-            return self._gather(node)
-        if name == "scatter":
-            return self._scatter(node)
-        special = {
-            "stack": self._stack, "repeat_interleave": self._repeat_interleave, "masked_fill": self._masked_fill,
-            "layer_norm": self._layer_norm, "gelu": self._gelu,
-        }  # fmt: skip
-        if name in special:
-            return special[name](node)
+            return view(self, node)
+        if name in TENSOR:  # cat, gather, scatter, stack, repeat_interleave, masked_fill, layer_norm, gelu
+            return TENSOR[name](self, node)
         if name in CONSTANTS:
-            return self._constant(node, name)
+            return constant(self, node, name)
         if ops.kind(name) == ops.POINTWISE and not ops.TABLE[name].triton and not index_ok:  # integers only
-            return self._make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, tensor_args(node))
+            return self.make(node, f"{name}[{str(value.dtype).replace('torch.', '')}]", UNSUPPORTED, tensor_args(node))
         if ops.kind(name) in (ops.POINTWISE, ops.REDUCTION, ops.NORMALIZATION):
             return self._compute(node, name)
-        return self._make(node, name, UNSUPPORTED, tensor_args(node))
+        return self.make(node, name, UNSUPPORTED, tensor_args(node))
 
     def _compute(self, node, name):
         tensors = [a for a in node.args if isinstance(a, fx.Node)]
@@ -230,13 +218,13 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
             a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other", node.kwargs.get("exponent"))
             alpha = node.kwargs.get("alpha", 1)
             if alpha != 1:
-                return self._make(node, name + "_alpha", UNSUPPORTED, tuple(tensors))
-            return self._make(node, name, COMPUTE, (a, b))
+                return self.make(node, name + "_alpha", UNSUPPORTED, tuple(tensors))
+            return self.make(node, name, COMPUTE, (a, b))
         if name in UNARY:
-            return self._make(node, name, COMPUTE, (node.args[0],))
+            return self.make(node, name, COMPUTE, (node.args[0],))
         if name == "where":
-            return self._make(node, "where", COMPUTE, tuple(node.args[:3]))
-        params = self._params(node, name)
+            return self.make(node, "where", COMPUTE, tuple(node.args[:3]))
+        params = self.params(node, name)
         rank = self.value(node.args[0]).dim()
         if name == "clamp":
             low = params.get("min")
@@ -244,31 +232,31 @@ class Canonicalizer(ViewCanonicals, OpCanonicals):
             if op_name(node) == "clamp_max":
                 low, high = None, params.get("min", params.get("max"))
             if isinstance(low, fx.Node) or isinstance(high, fx.Node):
-                return self._make(node, "clamp_tensor", UNSUPPORTED, tuple(tensors))
-            return self._make(node, "clamp", COMPUTE, (node.args[0], low, high))
+                return self.make(node, "clamp_tensor", UNSUPPORTED, tuple(tensors))
+            return self.make(node, "clamp", COMPUTE, (node.args[0], low, high))
         if name == "softplus":
-            return self._make(node, "softplus", COMPUTE, (node.args[0], params.get("beta", 1.0), params.get("threshold", 20.0)))
+            return self.make(node, "softplus", COMPUTE, (node.args[0], params.get("beta", 1.0), params.get("threshold", 20.0)))
         dtype = params.get("dtype")
         if dtype is not None and not (
             dtype == torch.float32 and name in ("sum", "mean")
             or dtype in (torch.float32, torch.bfloat16, torch.float16) and name in ("softmax", "log_softmax")
         ):
-            return self._make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
+            return self.make(node, name + "_dtype", UNSUPPORTED, tuple(tensors))
         # sum / mean with dtype=float32: computed in fp32, as a kernel computes anyway; softmax
         # with a dtype: of the input cast to it.
         dims = _normalize_dims(params.get("dim"), rank)
         if set(dims) & set(self.batch_dims(node.args[0])):
-            return self._make(node, f"{name} over tokens", UNSUPPORTED, tuple(tensors))
+            return self.make(node, f"{name} over tokens", UNSUPPORTED, tuple(tensors))
         attrs = {"dim": dims}
         if dtype is not None:
             attrs["dtype"] = dtype
         if name in REDUCTIONS:
             attrs["keepdim"] = bool(params.get("keepdim", False))
         elif len(dims) != 1:
-            return self._make(node, name, UNSUPPORTED, tuple(tensors))
-        return self._make(node, name, COMPUTE, (node.args[0],), attrs)
+            return self.make(node, name, UNSUPPORTED, tuple(tensors))
+        return self.make(node, name, COMPUTE, (node.args[0],), attrs)
 
-    def _params(self, node, name) -> dict:
+    def params(self, node, name) -> dict:
         """The call's parameters after the input, by name (positional ones named per the table)."""
         params = dict(zip(_POSITIONAL.get(name, ()), node.args[1:]))
         params.update(node.kwargs)

@@ -1,6 +1,7 @@
-"""canon_views: the canonical form of views, slices, index arithmetic, row gathers, scatters
-and concatenations (methods of :class:`fuser.canon.canonicalize.Canonicalizer`): which are free, which a
-kernel does in registers, and which copy."""
+"""views: the canonical form of views, slices, index arithmetic, row gathers, scatters and
+concatenations: which are free, which a kernel does in registers, and which copy. Each function
+takes the canonicaliser (:class:`fuser.canon.canonicalize.Canonicalizer`) explicitly; those of
+one op name are registered under it (:mod:`fuser.canon.registry`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from fuser.ir import ops
+from fuser.canon.registry import canonical
 from fuser.ir.canonical_op import COMPUTE, KERNEL_DTYPES, META, UNIT_VIEW, UNSUPPORTED, VIEW, bound_args, op_name, tensor_args
 
 _MAY_COPY = {"reshape", "flatten", "reshape_as"}  # views when the layout allows, else copies
@@ -18,203 +20,215 @@ _MAY_COPY = {"reshape", "flatten", "reshape_as"}  # views when the layout allows
 _REORDER_FREE = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 
 
+def aliases(cz, node) -> bool:
+    """Does the node's value share storage with its first argument's?"""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node) or not isinstance(cz.value(src), torch.Tensor):
+        return False
+    return cz.value(node).untyped_storage().data_ptr() == cz.value(src).untyped_storage().data_ptr()
 
-class ViewCanonicals:
-    """Methods of :class:`fuser.canon.canonicalize.Canonicalizer` for views and indexing."""
 
-    def _aliases(self, node) -> bool:
-        """Does the node's value share storage with its first argument's?"""
-        src = node.args[0] if node.args else None
-        if not isinstance(src, fx.Node) or not isinstance(self.value(src), torch.Tensor):
-            return False
-        return self.value(node).untyped_storage().data_ptr() == self.value(src).untyped_storage().data_ptr()
+def cast_or_copy(cz, node):
+    src = node.args[0]
+    out, inp = cz.value(node), cz.value(src)
+    if isinstance(inp, torch.Tensor) and out.dtype == inp.dtype and out.device == inp.device:
+        if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape:
+            return cz.make(node, "identity", COMPUTE, (src,))
+        return cz.make(node, "copy", COMPUTE, (src,))
+    if isinstance(inp, torch.Tensor) and out.device != inp.device:
+        return cz.make(node, "to_device", UNSUPPORTED, (src,))
+    return cz.make(node, "cast", COMPUTE, (src,), {"dtype": out.dtype})
 
-    def _cast_or_copy(self, node):
-        src = node.args[0]
-        out, inp = self.value(node), self.value(src)
-        if isinstance(inp, torch.Tensor) and out.dtype == inp.dtype and out.device == inp.device:
-            if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape:
-                return self._make(node, "identity", COMPUTE, (src,))
-            return self._make(node, "copy", COMPUTE, (src,))
-        if isinstance(inp, torch.Tensor) and out.device != inp.device:
-            return self._make(node, "to_device", UNSUPPORTED, (src,))
-        return self._make(node, "cast", COMPUTE, (src,), {"dtype": out.dtype})
 
-    def _view(self, node):
-        src = node.args[0]
-        if (
-            node.target is operator.getitem
-            and isinstance(src, fx.Node)
-            and op_name(src) in ("chunk", "split", "unbind")
-            and isinstance(self.value(src.args[0]), torch.Tensor)
-        ):
-            return self._view_of(node, src.args[0], covers=(src,))  # x.chunk(2)[i] is a slice of x
-        if not isinstance(src, fx.Node) or not isinstance(self.value(src), torch.Tensor):
-            return self._make(node, op_name(node), META)
-        if node.target is operator.getitem and isinstance(self.value(src), torch.Tensor):
-            index = node.args[1]
-            index = index if isinstance(index, tuple) else (index,)
-            if len(index) == 1 and self._row_gather(src, index[0]):
-                return self._make(node, "gather_rows", COMPUTE, (src, index[0]))
-            if any(isinstance(i, fx.Node) or isinstance(i, torch.Tensor) for i in index):
-                return self._make(node, "index", UNSUPPORTED, (src,) + tuple(i for i in index if isinstance(i, fx.Node)))
-        return self._view_of(node, src)
+def view(cz, node):
+    src = node.args[0]
+    if (
+        node.target is operator.getitem
+        and isinstance(src, fx.Node)
+        and op_name(src) in ("chunk", "split", "unbind")
+        and isinstance(cz.value(src.args[0]), torch.Tensor)
+    ):
+        return _view_of(cz, node, src.args[0], covers=(src,))  # x.chunk(2)[i] is a slice of x
+    if not isinstance(src, fx.Node) or not isinstance(cz.value(src), torch.Tensor):
+        return cz.make(node, op_name(node), META)
+    if node.target is operator.getitem and isinstance(cz.value(src), torch.Tensor):
+        index = node.args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) == 1 and _row_gather(cz, src, index[0]):
+            return cz.make(node, "gather_rows", COMPUTE, (src, index[0]))
+        if any(isinstance(i, fx.Node) or isinstance(i, torch.Tensor) for i in index):
+            return cz.make(node, "index", UNSUPPORTED, (src,) + tuple(i for i in index if isinstance(i, fx.Node)))
+    return _view_of(cz, node, src)
 
-    def _index_arithmetic(self, node, name: str, value) -> bool:
-        """Integer pointwise math a kernel computes exactly (``perm // top_k``): an op with an
-        integer expression, on tensors of the result's integer dtype and integer literals."""
-        if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:
-            return False
-        for arg in node.args:
-            if isinstance(arg, fx.Node):
-                operand = self.value(arg)
-                if not (isinstance(operand, torch.Tensor) and operand.dtype == value.dtype):
-                    return False
-            elif not isinstance(arg, int) or isinstance(arg, bool):
+
+def index_arithmetic(cz, node, name: str, value) -> bool:
+    """Integer pointwise math a kernel computes exactly (``perm // top_k``): an op with an
+    integer expression, on tensors of the result's integer dtype and integer literals."""
+    if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:
+        return False
+    for arg in node.args:
+        if isinstance(arg, fx.Node):
+            operand = cz.value(arg)
+            if not (isinstance(operand, torch.Tensor) and operand.dtype == value.dtype):
                 return False
-        return name != "floordiv" or (len(node.args) == 2 and ops.integer_divisor(node.args[1]))
-
-    def _row_gather(self, table, index) -> bool:
-        """``table[index]``: one row of a table per index, the table token-independent (an
-        embedding lookup) or not (MoE's ``hidden[perm // top_k]``, rows of another count)."""
-        if not isinstance(index, fx.Node) or self.batch_dims(table) not in ((), (0,)) or self.value(table).dtype not in KERNEL_DTYPES:
+        elif not isinstance(arg, int) or isinstance(arg, bool):
             return False
-        idx = self.value(index)
-        return (
-            isinstance(idx, torch.Tensor)
-            and idx.dim() == 1
-            and not idx.is_floating_point()
-            and self.batch_dims(index) == (0,)
-        )
+    return name != "floordiv" or (len(node.args) == 2 and ops.integer_divisor(node.args[1]))
 
-    def _view_of(self, node, src, covers=()):
-        if op_name(node) in _MAY_COPY and self._copies(node, src) and not self._reshaped_in_registers(node, src):
-            return self._make(node, "reshape_copy", UNSUPPORTED, (src,))
-        out, inp = self.value(node), self.value(src)
-        if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
-            return self._make(node, "identity", COMPUTE, (src,))
-        shape = self.static_shape(node)
-        same_dims = [s for s in shape if s != 1] == [s for s in self.static_shape(src) if s != 1]
-        if same_dims and out.numel() == inp.numel() and _same_order(out, inp):
-            return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
-        if op_name(node) in ("expand", "expand_as"):
-            return self._make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
-        reshapes = op_name(node) in _REORDER_FREE  # a transpose of the same sizes is no reshape
-        if reshapes and out.numel() == inp.numel() and _register_reshape(self.static_shape(src), shape):
-            return self._make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
-        group = self._row_group(src, node)
-        if group:  # gathered rows regrouped per token: out[t, j] = src[t * group + j]
-            return self._make(node, "group_rows", UNIT_VIEW, (src,), {"group": group})
-        columns = self._last_axis_slice(src, out, inp)
-        if columns is not None and self._computed(src):
-            # A slice of a value a kernel computes: taken in registers when both share a kernel.
-            start, stop, step = columns
-            attrs = {"start": start, "stop": stop, **({"step": step} if step != 1 else {})}
-            return self._make(node, "slice", UNIT_VIEW, (src,), attrs)
-        return self._make(
-            node, "view", VIEW, (src,),
-            {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
-            covers,
-        )  # fmt: skip
 
-    def _reshaped_in_registers(self, node, src) -> bool:
-        """A reshape that copies in eager (of an expanded or permuted view) but that a kernel
-        computing its source does in registers (DeepSeek-V3's group mask spread over experts)."""
-        if not self._computed(src) or self.batch_dims(src) != (0,) or self.batch_dims(node) != (0,):
-            return False
-        return _register_reshape(self.static_shape(src)[1:], self.static_shape(node)[1:])
+def _row_gather(cz, table, index) -> bool:
+    """``table[index]``: one row of a table per index, the table token-independent (an
+    embedding lookup) or not (MoE's ``hidden[perm // top_k]``, rows of another count)."""
+    if not isinstance(index, fx.Node) or cz.batch_dims(table) not in ((), (0,)) or cz.value(table).dtype not in KERNEL_DTYPES:
+        return False
+    idx = cz.value(index)
+    return (
+        isinstance(idx, torch.Tensor)
+        and idx.dim() == 1
+        and not idx.is_floating_point()
+        and cz.batch_dims(index) == (0,)
+    )
 
-    def _row_group(self, src, node) -> int | None:
-        """``k`` when ``node`` views the rows of a row gather ``src`` as [tokens, k, ...] (MoE's
-        ``out[inv_perm].view(T, k, H)``): a kernel over the tokens gathers k rows each."""
-        if self.cops.get(src) is None or self.cops[src].op != "gather_rows":
+
+def _view_of(cz, node, src, covers=()):
+    if op_name(node) in _MAY_COPY and _copies(cz, node, src) and not _reshaped_in_registers(cz, node, src):
+        return cz.make(node, "reshape_copy", UNSUPPORTED, (src,))
+    out, inp = cz.value(node), cz.value(src)
+    if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
+        return cz.make(node, "identity", COMPUTE, (src,))
+    shape = cz.static_shape(node)
+    same_dims = [s for s in shape if s != 1] == [s for s in cz.static_shape(src) if s != 1]
+    if same_dims and out.numel() == inp.numel() and _same_order(out, inp):
+        return cz.make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
+    if op_name(node) in ("expand", "expand_as"):
+        return cz.make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
+    reshapes = op_name(node) in _REORDER_FREE  # a transpose of the same sizes is no reshape
+    if reshapes and out.numel() == inp.numel() and _register_reshape(cz.static_shape(src), shape):
+        return cz.make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
+    group = _row_group(cz, src, node)
+    if group:  # gathered rows regrouped per token: out[t, j] = src[t * group + j]
+        return cz.make(node, "group_rows", UNIT_VIEW, (src,), {"group": group})
+    columns = _last_axis_slice(cz, src, out, inp)
+    if columns is not None and _computed(cz, src):
+        # A slice of a value a kernel computes: taken in registers when both share a kernel.
+        start, stop, step = columns
+        attrs = {"start": start, "stop": stop, **({"step": step} if step != 1 else {})}
+        return cz.make(node, "slice", UNIT_VIEW, (src,), attrs)
+    return cz.make(
+        node, "view", VIEW, (src,),
+        {"shape": shape, "stride": tuple(out.stride()), "offset": out.storage_offset() - inp.storage_offset()},
+        covers,
+    )  # fmt: skip
+
+
+def _reshaped_in_registers(cz, node, src) -> bool:
+    """A reshape that copies in eager (of an expanded or permuted view) but that a kernel
+    computing its source does in registers (DeepSeek-V3's group mask spread over experts)."""
+    if not _computed(cz, src) or cz.batch_dims(src) != (0,) or cz.batch_dims(node) != (0,):
+        return False
+    return _register_reshape(cz.static_shape(src)[1:], cz.static_shape(node)[1:])
+
+
+def _row_group(cz, src, node) -> int | None:
+    """``k`` when ``node`` views the rows of a row gather ``src`` as [tokens, k, ...] (MoE's
+    ``out[inv_perm].view(T, k, H)``): a kernel over the tokens gathers k rows each."""
+    if cz.cops.get(src) is None or cz.cops[src].op != "gather_rows":
+        return None
+    if cz.batch_dims(src) != (0,) or cz.batch_dims(node) != (0,):
+        return None
+    shapes = [(o.shape, i.shape) for o, i in zip(cz.traced.shadows[node.name], cz.traced.shadows[src.name])]
+    group = shapes[0][0][1] if len(shapes[0][0]) > 1 else None
+    for out, inp in shapes:
+        if len(out) < 2 or out[1] != group or out[0] * group != inp[0] or tuple(out[2:]) != tuple(inp[1:]):
             return None
-        if self.batch_dims(src) != (0,) or self.batch_dims(node) != (0,):
-            return None
-        shapes = [(o.shape, i.shape) for o, i in zip(self.traced.shadows[node.name], self.traced.shadows[src.name])]
-        group = shapes[0][0][1] if len(shapes[0][0]) > 1 else None
-        for out, inp in shapes:
-            if len(out) < 2 or out[1] != group or out[0] * group != inp[0] or tuple(out[2:]) != tuple(inp[1:]):
-                return None
-        return group
+    return group
 
-    def _copies(self, node, src) -> bool:
-        """Did the reshape copy at either traced size (no view fits its input's layout, as after
-        a permute)? Then it is a kernel of its own, not a free view."""
-        return any(
-            out.numel() and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
-            for out, inp in zip(self.traced.shadows[node.name], self.traced.shadows[src.name])
-            if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)
-        )
 
-    def _last_axis_slice(self, src, out, inp) -> tuple[int, int, int] | None:
-        """(start, stop, step) when ``out`` is ``inp[..., start:stop:step]`` along a non-token
-        last axis: a range of columns (step 1), or every other column (``x[..., ::2]``,
-        ``x[..., 1::2]``: GPT-OSS's interleaved gate and up)."""
-        rank = inp.dim()
-        if not rank or out.dim() != rank or out.shape[:-1] != inp.shape[:-1] or out.stride()[:-1] != inp.stride()[:-1]:
-            return None
-        if (rank - 1) in self.batch_dims(src) or inp.shape[-1] <= 1:
-            return None
-        column = inp.stride(-1)
-        offset = out.storage_offset() - inp.storage_offset()
-        if column <= 0 or offset < 0 or offset % column:
-            return None
-        start = offset // column
-        if out.stride(-1) == 2 * column:  # every other column, to the end
-            every_other = start in (0, 1) and inp.shape[-1] % 2 == 0 and out.shape[-1] == inp.shape[-1] // 2
-            return (start, inp.shape[-1], 2) if every_other else None
-        stop = start + out.shape[-1]
-        whole = (start, stop) == (0, inp.shape[-1])
-        return (start, stop, 1) if out.stride(-1) == column and stop <= inp.shape[-1] and not whole else None
+def _copies(cz, node, src) -> bool:
+    """Did the reshape copy at either traced size (no view fits its input's layout, as after
+    a permute)? Then it is a kernel of its own, not a free view."""
+    return any(
+        out.numel() and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
+        for out, inp in zip(cz.traced.shadows[node.name], cz.traced.shadows[src.name])
+        if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)
+    )
 
-    def _computed(self, node) -> bool:
-        """Is ``node`` a value glue computes (not an input or a heavy op's result, or a view of one)?"""
-        cop = self.cops.get(node)
-        if cop is None or cop.kind not in (COMPUTE, UNIT_VIEW):
-            return False
-        if cop.op == "identity" or cop.kind == UNIT_VIEW:
-            return isinstance(cop.args[0], fx.Node) and self._computed(cop.args[0])
-        return True
 
-    def _gather(self, node):
-        """``x.gather(-1, index)`` with index shaped like x but for the last axis."""
-        params = bound_args(node, ("input", "dim", "index"))
-        x, dim, index = params.get("input"), params.get("dim"), params.get("index")
-        if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and not params.get("sparse_grad"):
-            src, idx = self.value(x), self.value(index)
-            rank = src.dim()
-            if (
-                rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
-                and rank - 1 not in self.batch_dims(x)
-            ):  # fmt: skip
-                return self._make(node, "gather_last", COMPUTE, (x, index))
-        return self._make(node, "gather", UNSUPPORTED, tensor_args(node))
+def _last_axis_slice(cz, src, out, inp) -> tuple[int, int, int] | None:
+    """(start, stop, step) when ``out`` is ``inp[..., start:stop:step]`` along a non-token
+    last axis: a range of columns (step 1), or every other column (``x[..., ::2]``,
+    ``x[..., 1::2]``: GPT-OSS's interleaved gate and up)."""
+    rank = inp.dim()
+    if not rank or out.dim() != rank or out.shape[:-1] != inp.shape[:-1] or out.stride()[:-1] != inp.stride()[:-1]:
+        return None
+    if (rank - 1) in cz.batch_dims(src) or inp.shape[-1] <= 1:
+        return None
+    column = inp.stride(-1)
+    offset = out.storage_offset() - inp.storage_offset()
+    if column <= 0 or offset < 0 or offset % column:
+        return None
+    start = offset // column
+    if out.stride(-1) == 2 * column:  # every other column, to the end
+        every_other = start in (0, 1) and inp.shape[-1] % 2 == 0 and out.shape[-1] == inp.shape[-1] // 2
+        return (start, inp.shape[-1], 2) if every_other else None
+    stop = start + out.shape[-1]
+    whole = (start, stop) == (0, inp.shape[-1])
+    return (start, stop, 1) if out.stride(-1) == column and stop <= inp.shape[-1] and not whole else None
 
-    def _scatter(self, node):
-        """``x.scatter(-1, index, value)`` with a scalar value and index shaped like x but for
-        the last axis: each listed column set to the value (a group or expert mask)."""
-        params = bound_args(node, ("input", "dim", "index", "value"))
-        x, dim, index = params.get("input"), params.get("dim"), params.get("index")
-        value = params.get("value", params.get("src"))
-        if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and isinstance(value, (int, float)):
-            src, idx = self.value(x), self.value(index)
-            rank = src.dim()
-            if (
-                rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
-                and rank - 1 not in self.batch_dims(x) and src.is_floating_point() and idx.dtype == torch.int64
-                and not params.get("reduce")
-            ):  # fmt: skip
-                return self._make(node, "scatter_last", COMPUTE, (x, index, float(value)))
-        return self._make(node, "scatter", UNSUPPORTED, tensor_args(node))
 
-    def _cat(self, node):
-        parts = node.args[0] if node.args else node.kwargs.get("tensors")
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        rank = self.value(node).dim()
-        if not all(isinstance(p, fx.Node) for p in parts) or dim % rank != rank - 1:
-            return self._make(node, "cat", UNSUPPORTED, tuple(p for p in parts if isinstance(p, fx.Node)))
-        return self._make(node, "cat", COMPUTE, tuple(parts), {"dim": rank - 1})
+def _computed(cz, node) -> bool:
+    """Is ``node`` a value glue computes (not an input or a heavy op's result, or a view of one)?"""
+    cop = cz.cops.get(node)
+    if cop is None or cop.kind not in (COMPUTE, UNIT_VIEW):
+        return False
+    if cop.op == "identity" or cop.kind == UNIT_VIEW:
+        return isinstance(cop.args[0], fx.Node) and _computed(cz, cop.args[0])
+    return True
+
+
+@canonical("gather")
+def gather(cz, node):
+    """``x.gather(-1, index)`` with index shaped like x but for the last axis."""
+    params = bound_args(node, ("input", "dim", "index"))
+    x, dim, index = params.get("input"), params.get("dim"), params.get("index")
+    if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and not params.get("sparse_grad"):
+        src, idx = cz.value(x), cz.value(index)
+        rank = src.dim()
+        if (
+            rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
+            and rank - 1 not in cz.batch_dims(x)
+        ):  # fmt: skip
+            return cz.make(node, "gather_last", COMPUTE, (x, index))
+    return cz.make(node, "gather", UNSUPPORTED, tensor_args(node))
+
+
+@canonical("scatter")
+def scatter(cz, node):
+    """``x.scatter(-1, index, value)`` with a scalar value and index shaped like x but for
+    the last axis: each listed column set to the value (a group or expert mask)."""
+    params = bound_args(node, ("input", "dim", "index", "value"))
+    x, dim, index = params.get("input"), params.get("dim"), params.get("index")
+    value = params.get("value", params.get("src"))
+    if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and isinstance(value, (int, float)):
+        src, idx = cz.value(x), cz.value(index)
+        rank = src.dim()
+        if (
+            rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
+            and rank - 1 not in cz.batch_dims(x) and src.is_floating_point() and idx.dtype == torch.int64
+            and not params.get("reduce")
+        ):  # fmt: skip
+            return cz.make(node, "scatter_last", COMPUTE, (x, index, float(value)))
+    return cz.make(node, "scatter", UNSUPPORTED, tensor_args(node))
+
+
+@canonical("cat")
+def cat(cz, node):
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    rank = cz.value(node).dim()
+    if not all(isinstance(p, fx.Node) for p in parts) or dim % rank != rank - 1:
+        return cz.make(node, "cat", UNSUPPORTED, tuple(p for p in parts if isinstance(p, fx.Node)))
+    return cz.make(node, "cat", COMPUTE, tuple(parts), {"dim": rank - 1})
 
 
 def _same_order(out: torch.Tensor, inp: torch.Tensor) -> bool:
@@ -223,7 +237,6 @@ def _same_order(out: torch.Tensor, inp: torch.Tensor) -> bool:
     return [(s, t) for s, t in zip(out.shape, out.stride()) if s != 1] == [
         (s, t) for s, t in zip(inp.shape, inp.stride()) if s != 1
     ]
-
 
 
 def _register_reshape(src: tuple, dst: tuple) -> bool:
