@@ -16,6 +16,7 @@ import torch
 
 from fuser.model.fuse_model import apply_model, restore as restore_model
 from fuser.pipeline.fuse_module import FuserError, apply_plan, plan, tensors_of
+from fuser.pipeline.pass_list import UnknownPass, switched_off
 from fuser.ir.report import Report
 from fuser.trace.call_spec import state_tensors, with_state_copied
 from fuser.install.splice import restore
@@ -58,7 +59,12 @@ def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
     A second apply on a fused module (also from another thread) raises :class:`FuserError`.
     ``copy.deepcopy`` gives a copy fused against its own parameters; pickling (``torch.save``)
     gives the eager module.
+
+    ``disable_passes=("merge", ...)`` (or ``FUSER_DISABLE_PASSES=merge,...``) switches passes
+    of :data:`fuser.pipeline.pass_list.PASS_LIST` off by name, to bisect a wrong result to one;
+    ``report.disabled_passes`` names them.
     """
+    _check_pass_names(options)
     layered = apply_model(module, example_inputs, **options)
     return layered if layered is not None else apply_plan(module, example_inputs, **options).report
 
@@ -66,12 +72,22 @@ def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:
     """What :func:`apply` would fuse, and why the rest is not; installs nothing (a model fused
     layer by layer is fused, reported and restored)."""
+    _check_pass_names(options)
     layered = apply_model(module, example_inputs, **options)
     if layered is not None:
         restore_model(module)
         return layered
     with preserved_state(module, tensors_of(example_inputs, options.get("example_kwargs"))):
         return plan(module, example_inputs, **options).report
+
+
+def _check_pass_names(options: dict) -> None:
+    """Refuse a ``disable_passes`` or ``FUSER_DISABLE_PASSES`` name that switches no pass off
+    before anything runs (a model's layers would each be left eager with the error)."""
+    try:
+        switched_off(options.get("disable_passes", ()))
+    except UnknownPass as e:
+        raise FuserError(str(e)) from None
 
 
 @dataclass
@@ -107,6 +123,7 @@ def _run(module, args, kwargs):
 def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     """Run fused and eager from identical state; compare outputs and every buffer and input
     the forward writes in place. The module and inputs are left as they were."""
+    _check_pass_names(options)
     args, kwargs = tuple(example_inputs), dict(options.get("example_kwargs") or {})
     tensors = tensors_of(args, kwargs)
     with preserved_state(module, tensors):

@@ -52,6 +52,7 @@ class Report:
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
+    disabled_passes: list[str] = field(default_factory=list)  # passes switched off by name (fuser.pipeline.pass_list)
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
     launches_before: int = 0
@@ -69,6 +70,8 @@ class Report:
             f"glue kernel launches per call: {self.launches_before} eager -> {self.launches_after} fused"
             f"   (glue nodes {self.glue_nodes_before} -> {self.glue_nodes_after})"
         )
+        if self.disabled_passes:
+            lines.append(f"passes switched off (disable_passes, FUSER_DISABLE_PASSES): {', '.join(self.disabled_passes)}")
         lines += ["", f"fused chains ({len(self.chains)}):"]
         for c in self.chains:
             params = ", ".join(f"{k}={v!r}" for k, v in sorted(c.params.items()))

@@ -1,6 +1,7 @@
-"""pipeline: fusing one module end to end — trace, canonicalize, the planning passes
-(:mod:`fuser.pipeline.passes`: match, group, grow, validate, place) — into a :class:`Plan` (the fused
-forward, its guard, the report), and :func:`apply_plan`, which splices it into the module.
+"""pipeline: fusing one module end to end — the steps of :data:`fuser.pipeline.pass_list.PASS_LIST`
+in order (trace, canonicalize, the planning passes of :mod:`fuser.pipeline.passes`, the fused
+graph) — into a :class:`Plan` (the fused forward, its guard, the report), and
+:func:`apply_plan`, which splices it into the module.
 
 :mod:`fuser.api` (``fuser.apply``, ``explain``, ``check``) calls it, directly for one module
 and through :mod:`fuser.model.fuse_model` for a model of repeated layers.
@@ -15,20 +16,17 @@ from typing import Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fuser.canon.canonicalize import COMPUTE, INPUT, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, canonicalize, eager_launches, is_glue
-from fuser.install.copies import copy_kernels, install_copies, report_copies
+from fuser.canon.canonicalize import COMPUTE, INPUT, MUTATION, UNSUPPORTED, eager_launches, is_glue
 from fuser.codegen.emit import template_names
-from fuser.install.kv_cache import write_in_one_kernel
 from fuser.codegen.kernel import Kernel
-from fuser.pipeline.passes import planning, run_passes
-from fuser.match.pattern_files import load_patterns
-from fuser.regions.builder import fusible
-from fuser.ir.report import FusedChain, Report, Unfused
-from fuser.install.fused_graph import compile_forward, rewrite_graph
-from fuser.install.once_per_forward import once_per_forward, shareable
+from fuser.install.copies import report_copies
 from fuser.install.splice import AlreadyFused, Guard, Precomputed, install, is_fused, module_lock, precomputation
+from fuser.ir.report import FusedChain, Report, Unfused
+from fuser.match.pattern_files import load_patterns
+from fuser.pipeline.pass_list import Fusing, run_pass_list, switched_off
+from fuser.regions.builder import fusible
 from fuser.trace.call_spec import CallSpec
-from fuser.trace.tracing import Traced, batch_dims_of, preserved_state, trace
+from fuser.trace.tracing import Traced, batch_dims_of, preserved_state
 
 
 class FuserError(Exception):
@@ -63,43 +61,36 @@ def plan(
     batch_inputs: dict[str, int] | None = None,
     validate: bool = True,
     precompute: bool = True,
+    disable_passes: Iterable[str] | str = (),
 ) -> Plan:
-    """Everything :func:`apply` does except installing the fused forward."""
+    """Everything :func:`apply` does except installing the fused forward: the steps of
+    :data:`~fuser.pipeline.pass_list.PASS_LIST` in order, but those ``disable_passes`` (and
+    ``FUSER_DISABLE_PASSES``) name; then the report."""
+    disabled = switched_off(disable_passes)
     _check_example_inputs(module, example_inputs, example_kwargs, batch_inputs)
     on_cpu = any(x.device.type == "cpu" for x in tensors_of(example_inputs, example_kwargs))
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise FuserError("the example inputs are on the CPU: fused kernels run there only in Triton's interpreter; set TRITON_INTERPRET=1")
-    traced = trace(module, example_inputs, example_kwargs=example_kwargs, leaves=leaves, batch_inputs=batch_inputs)
-    cops = canonicalize(traced)
-    all_patterns = load_patterns(list(patterns), template_names())
-    planned = run_passes(planning(module, traced, cops, all_patterns, validate))
-    kernels, rejected, failed = planned.kernels, planned.rejected, planned.failed
-    regions = [k.region for k in kernels]
     # precompute=False: every value is read from the live parameters at each call (weights that
     # are loaded or updated after fusing are seen); parameter-only glue then runs every step.
-    covered = set().union(*(r.covered for r in regions)) if regions else set()
-    constants = _parameter_only(traced, cops, covered) if precompute else {}
-    copies, kept = copy_kernels(traced, cops, {n for n in cops if n not in covered and n not in constants})
-    failed.update(kept)
-    shared = [k for k in kernels if shareable(k.region, cops)]
-    launchers = {i: once_per_forward(k.launch) if k in shared else k.launch for i, k in enumerate(kernels)}
-    graph, survivors = rewrite_graph(traced.graph, cops, regions, launchers, {n: a for n, (a, _) in constants.items()})
-    install_copies(graph, copies)
-    cache_writes = write_in_one_kernel(graph, traced)
-    forward = compile_forward(graph, module)
-    report = _report(module, traced, cops, kernels, rejected, failed, survivors)
-    report_copies(report, copies)
+    off = {*disabled, *(() if validate else ("validate",)), *(() if precompute else ("precompute",))}
+    all_patterns = load_patterns(list(patterns), template_names())
+    f = run_pass_list(Fusing(module, tuple(example_inputs), example_kwargs, leaves, all_patterns, batch_inputs, frozenset(off)))
+    traced, cops, kernels, constants = f.traced, f.cops, f.kernels, f.constants
+    report = _report(module, traced, cops, kernels, f.planning.rejected, f.planning.failed, f.survivors)
+    report_copies(report, f.copies)
+    report.disabled_passes = list(disabled)
     report.precomputed = [n.name for n in constants]
     report.literals = captured_literals(module, traced)
     report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
     report.attention_calls = [r.line() for r in traced.attention_calls]
-    report.shared = [k.path.stem for k in shared]
+    report.shared = [k.path.stem for k in f.shared]
     report.launches_before += sum(r.copies_removed for r in traced.attention_calls)  # eager still makes them
     for leaf in report.automatic_leaves:
-        if leaf["name"] in cache_writes:
+        if leaf["name"] in f.cache_writes:
             leaf["reason"] += "; a plain layer of transformers' StaticCache is written by one kernel (fuser.install.kv_cache)"
-    p = Plan(traced, kernels, graph, forward, Guard.from_trace(module, traced, guard), report)
+    p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
     p.literals = dict(report.literals)
@@ -173,34 +164,6 @@ def captured_literals(module: torch.nn.Module, traced: Traced) -> dict[str, int 
             if scalar and (type(value), value) in values:
                 found[f"{owner}.{name}" if owner else name] = value
     return dict(sorted(found.items()))
-
-
-CONSTANT_PREFIX = "_fuser_const_"
-
-
-def _parameter_only(traced: Traced, cops, covered: set) -> dict[fx.Node, tuple[str, torch.Tensor]]:
-    """Glue that reads parameters only (a weight's cast, say): computed once, here, and read
-    from an attribute at every call instead. Returns node -> (attribute name, value)."""
-    from_parameters: set[fx.Node] = set()
-    for node in traced.graph.nodes:
-        cop = cops.get(node)
-        if cop is None:
-            continue
-        if node.op == "get_attr" and isinstance(traced.value(node), torch.nn.Parameter):
-            from_parameters.add(node)
-        elif cop.kind in (COMPUTE, UNIT_VIEW, VIEW) and node.all_input_nodes and all(
-            a in from_parameters for a in node.all_input_nodes
-        ):
-            from_parameters.add(node)
-    chosen = {}
-    for node in traced.graph.nodes:
-        cop = cops.get(node)
-        if node in from_parameters and node not in covered and cop.kind == COMPUTE and cop.op != "identity":
-            # The outermost such value only (what it is computed from is then unused), or one
-            # a kernel reads (Gemma's `1.0 + weight.float()`: the add joins the norm's kernel).
-            if any(u not in from_parameters or u in covered for u in node.users):
-                chosen[node] = (f"{CONSTANT_PREFIX}{len(chosen)}", traced.value(node).detach().clone())
-    return chosen
 
 
 def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Report:

@@ -1,8 +1,8 @@
-"""passes: from canonical ops to the kernels to splice, one pass after another.
+"""passes: the planning passes, from canonical ops to the kernels to splice.
 
-    PASSES = (fuse_patterns, fuse_generic, widen, merge, store_in_place, validate, place)
-
-Each pass takes the :class:`Planning` (what the passes before it made) and returns it:
+They run in the order :data:`fuser.pipeline.pass_list.PASS_LIST` lists them, each by its name
+(and each but ``place`` can be switched off there). Each takes the :class:`Planning` (what
+the passes before it made) and returns it:
 
 1. ``fuse_patterns``: each pattern match (:mod:`fuser.match.matcher`) a region, lowered and emitted
    as its kernel; a match that does not lower is a rejection naming the pattern;
@@ -24,8 +24,6 @@ pass makes a region; a region the next pass changes is lowered again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 import torch.fx as fx
 
@@ -53,7 +51,6 @@ class Planning:
     traced: Traced
     cops: dict
     patterns: list
-    validating: bool
     builder: RegionBuilder
     kernels: list[Kernel] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
@@ -65,18 +62,12 @@ class Planning:
         return self.builder.parameters
 
 
-def planning(module: torch.nn.Module, traced: Traced, cops: dict, patterns: list, validating: bool = True) -> Planning:
+def planning(module: torch.nn.Module, traced: Traced, cops: dict, patterns: list) -> Planning:
     """The state before the first pass."""
     parameters = frozenset(
         n for n in traced.graph.nodes if n.op == "get_attr" and isinstance(traced.value(n), torch.nn.Parameter)
     )
-    return Planning(module, traced, cops, list(patterns), validating, RegionBuilder(traced.graph, cops, parameters))
-
-
-def run_passes(p: Planning) -> Planning:
-    for step in PASSES:
-        p = step(p)
-    return p
+    return Planning(module, traced, cops, list(patterns), RegionBuilder(traced.graph, cops, parameters))
 
 
 def fuse_patterns(p: Planning) -> Planning:
@@ -224,8 +215,6 @@ def store_in_place(p: Planning) -> Planning:
 def validate(p: Planning) -> Planning:
     """Every kernel against eager on one recorded run; a merged (or stored in place) kernel that
     disagrees is replaced by its parts, checked in turn; any other one stays eager, reported."""
-    if not p.validating:
-        return p
     values = record_values(p.module, p.traced, p.cops)
     pending, p.kernels = p.kernels, []
     while pending:
@@ -253,8 +242,3 @@ def place(p: Planning) -> Planning:
             p.kernels.remove(kernel)
             p.failed.update({n: "no valid place to run it once other kernels were dropped" for n in kernel.region.nodes})
     return p
-
-
-PASSES: tuple[Callable[[Planning], Planning], ...] = (
-    fuse_patterns, fuse_generic, widen, merge, store_in_place, validate, place,
-)

@@ -115,6 +115,7 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     leaves: Iterable[str | type | Callable] = (),
     batch_inputs: dict[str, int] | None = None,
+    rewrites: Sequence[Callable] | None = None,
 ) -> Traced:
     """Trace ``module.forward`` (or a plain function) with the token dimension symbolic.
 
@@ -125,8 +126,11 @@ def trace(
     itself, and so is each call into compiled code (listed in ``Traced.automatic_leaves``;
     :mod:`fuser.trace.leaves`); only code of the traced forward itself is refused. ``batch_inputs``
     maps forward parameter names (or graph input names) to their batch dim (default: dim 0 of
-    every tensor input). Buffers the forward mutates are restored.
+    every tensor input). Buffers the forward mutates are restored. ``rewrites``: the graph
+    rewrites the trace ends with, in order (default :data:`REWRITES`, all of them; the pipeline
+    passes those its pass list has switched on, :mod:`fuser.pipeline.pass_list`).
     """
+    rewrites = REWRITES if rewrites is None else tuple(rewrites)
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
     if isinstance(module, torch.nn.Module) and "forward" in module.__dict__:
@@ -177,9 +181,9 @@ def trace(
         finally:
             constants = _constants_taken_off(module, attributes)
     state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
-    idioms.rewrite(graph, tracer.shadows, state)
-    _drop_unused_reads(graph)
-    attention = rewrite_attention_calls(graph, tracer.shadows)
+    attention: list[AttentionRewrite] = []
+    for rewrite in rewrites:
+        attention += rewrite(graph, tracer.shadows, state)
     _drop_unused_reads(graph)  # and those of the repeats the rewrites removed
     return Traced(
         root=module,
@@ -194,6 +198,26 @@ def trace(
         state_reads=list(tracer.state_reads.values()),
         attention_calls=attention,
     )
+
+
+def in_place_idioms(graph: fx.Graph, shadows: dict, state: list) -> list:
+    """Trace rewrite: in-place spellings of a value as one functional op
+    (:mod:`fuser.trace.in_place_idioms`); changes nothing the report lists."""
+    idioms.rewrite(graph, shadows, state)
+    return []
+
+
+def attention_calls(graph: fx.Graph, shadows: dict, state: list) -> list[AttentionRewrite]:
+    """Trace rewrite: sdpa calls and eager-attention products given their arguments as they
+    were made (:mod:`fuser.trace.attention_calls`); a record per call changed."""
+    _drop_unused_reads(graph)  # a size read nobody uses would keep a repeat alive
+    return rewrite_attention_calls(graph, shadows)
+
+
+#: The graph rewrites a trace ends with, in order: each takes the graph, the shadows and the
+#: module's parameters and buffers, and returns the attention calls it changed. The pipeline's
+#: pass list (:mod:`fuser.pipeline.pass_list`) names them in this order (a test keeps the two so).
+REWRITES: tuple[Callable, ...] = (in_place_idioms, attention_calls)
 
 
 def _getters_changed(reads: Iterable[StateRead], values: dict[str, Any]) -> set[tuple]:

@@ -1,0 +1,245 @@
+"""pass_list: every step from a module's example call to its fused forward, in order, by name.
+
+:data:`PASS_LIST` below is the pipeline: :func:`run_pass_list` runs its steps in that order
+(the trace rewrites inside :func:`fuser.trace.tracing.trace`, which takes them from here), and
+nothing else decides the order. Each step reads and writes one :class:`Fusing`.
+
+A pass can be switched off by name, to bisect a wrong result to the pass that makes it:
+
+    fuser.apply(module, inputs, disable_passes=("merge",))   # explain, check, a whole model too
+    FUSER_DISABLE_PASSES=merge,store_in_place fuser explain ...
+
+The report says which passes were off (``Report.disabled_passes``). The steps a fused forward
+cannot do without (``trace``, ``canonicalize``, ``place``, ``rewrite_graph``,
+``compile_forward``) are listed but not switchable; naming one, or a name not in the list, is
+an error that lists the switchable ones. ``validate=False`` and ``precompute=False`` switch
+off ``validate`` and ``precompute`` as they always did.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from fuser.canon.canonicalize import COMPUTE, UNIT_VIEW, VIEW, canonicalize
+from fuser.codegen.kernel import Kernel
+from fuser.install.copies import Copy, copy_kernels, install_copies
+from fuser.install.fused_graph import compile_forward, rewrite_graph
+from fuser.install.kv_cache import write_in_one_kernel
+from fuser.install.once_per_forward import once_per_forward, shareable
+from fuser.pipeline import passes
+from fuser.pipeline.passes import Planning, planning
+from fuser.trace import tracing
+from fuser.trace.tracing import Traced, trace
+
+#: The environment variable naming passes to switch off, comma-separated.
+DISABLE_PASSES_ENV = "FUSER_DISABLE_PASSES"
+
+
+@dataclass
+class Fusing:
+    """What the steps hand each other: the example call and the options (read only), then
+    what each step made, in the order the steps make it."""
+
+    module: torch.nn.Module
+    example_inputs: tuple
+    example_kwargs: dict | None
+    leaves: Iterable
+    patterns: list  # loaded (fuser.match.pattern_files)
+    batch_inputs: dict[str, int] | None
+    off: frozenset[str] = frozenset()  # the switches turned off
+    traced: Traced | None = None  # trace
+    cops: dict = field(default_factory=dict)  # canonicalize: node -> its canonical op
+    planning: Planning | None = None  # canonicalize, then the planning passes
+    constants: dict = field(default_factory=dict)  # precompute: node -> (attribute, value)
+    copies: list[Copy] = field(default_factory=list)  # copy_kernels
+    shared: list[Kernel] = field(default_factory=list)  # once_per_forward
+    graph: fx.Graph | None = None  # rewrite_graph: the fused graph
+    survivors: set = field(default_factory=set)  # rewrite_graph: the traced nodes it keeps
+    cache_writes: list[str] = field(default_factory=list)  # static_cache_write: the calls changed
+    forward: Callable | None = None  # compile_forward
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return self.planning.kernels
+
+    def covered(self) -> set[fx.Node]:
+        """The traced nodes the kernels replace."""
+        return set().union(*(k.region.covered for k in self.kernels))
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One step: its name, what it does (``run`` on a :class:`Fusing`, or, with ``inside``, a
+    rewrite the step of that name runs), and whether it can be switched off."""
+
+    name: str
+    run: Callable
+    does: str
+    required: bool = False  # a fused forward cannot do without it: not switchable
+    off_with: str = ""  # switched off with another pass (it installs what that one made)
+    inside: str = ""  # run by the step of this name, not by run_pass_list
+
+    @property
+    def switch(self) -> str | None:
+        """The name that switches it off; None for a required step."""
+        return None if self.required else (self.off_with or self.name)
+
+
+# --- the steps that are not planning passes (those are in fuser.pipeline.passes) --------------
+def trace_module(f: Fusing) -> None:
+    rewrites = [p.run for p in PASS_LIST if p.inside == "trace" and p.switch not in f.off]
+    f.traced = trace(f.module, f.example_inputs, example_kwargs=f.example_kwargs, leaves=f.leaves,
+                     batch_inputs=f.batch_inputs, rewrites=rewrites)  # fmt: skip
+
+
+def canonicalize_ops(f: Fusing) -> None:
+    f.cops = canonicalize(f.traced)
+    f.planning = planning(f.module, f.traced, f.cops, f.patterns)
+
+
+def planning_pass(step: Callable[[Planning], Planning]) -> Callable[[Fusing], None]:
+    """A planning pass (:mod:`fuser.pipeline.passes`) as a step."""
+
+    def run(f: Fusing) -> None:
+        f.planning = step(f.planning)
+
+    run.__name__ = run.__qualname__ = step.__name__
+    return run
+
+
+CONSTANT_PREFIX = "_fuser_const_"
+
+
+def precompute(f: Fusing) -> None:
+    """Glue that reads parameters only (a weight's cast, say): computed once, here, and read
+    from an attribute at every call instead (node -> (attribute name, value))."""
+    traced, cops, covered = f.traced, f.cops, f.covered()
+    from_parameters: set[fx.Node] = set()
+    for node in traced.graph.nodes:
+        cop = cops.get(node)
+        if cop is None:
+            continue
+        if node.op == "get_attr" and isinstance(traced.value(node), torch.nn.Parameter):
+            from_parameters.add(node)
+        elif cop.kind in (COMPUTE, UNIT_VIEW, VIEW) and node.all_input_nodes and all(
+            a in from_parameters for a in node.all_input_nodes
+        ):
+            from_parameters.add(node)
+    chosen = {}
+    for node in traced.graph.nodes:
+        cop = cops.get(node)
+        if node in from_parameters and node not in covered and cop.kind == COMPUTE and cop.op != "identity":
+            # The outermost such value only (what it is computed from is then unused), or one
+            # a kernel reads (Gemma's `1.0 + weight.float()`: the add joins the norm's kernel).
+            if any(u not in from_parameters or u in covered for u in node.users):
+                chosen[node] = (f"{CONSTANT_PREFIX}{len(chosen)}", traced.value(node).detach().clone())
+    f.constants = chosen
+
+
+def choose_copy_kernels(f: Fusing) -> None:
+    covered = f.covered()
+    left = {n for n in f.cops if n not in covered and n not in f.constants}
+    f.copies, kept = copy_kernels(f.traced, f.cops, left)
+    f.planning.failed.update(kept)
+
+
+def share_once_per_forward(f: Fusing) -> None:
+    f.shared = [k for k in f.kernels if shareable(k.region, f.cops)]
+
+
+def fused_graph(f: Fusing) -> None:
+    launchers = {i: once_per_forward(k.launch) if k in f.shared else k.launch for i, k in enumerate(f.kernels)}
+    constants = {n: attribute for n, (attribute, _) in f.constants.items()}
+    f.graph, f.survivors = rewrite_graph(f.traced.graph, f.cops, [k.region for k in f.kernels], launchers, constants)
+
+
+def copies_installed(f: Fusing) -> None:
+    install_copies(f.graph, f.copies)
+
+
+def static_cache_write(f: Fusing) -> None:
+    f.cache_writes = write_in_one_kernel(f.graph, f.traced)
+
+
+def compiled_forward(f: Fusing) -> None:
+    f.forward = compile_forward(f.graph, f.module)
+
+
+# --- the list ----------------------------------------------------------------------------------
+PASS_LIST: tuple[Pass, ...] = (
+    Pass("trace", trace_module, "the forward as an fx graph, each value shadowed at two batch sizes", required=True),
+    Pass("in_place_idioms", tracing.in_place_idioms, "in-place spellings of a value (out.add_(b) on a fresh out) as one functional op", inside="trace"),
+    Pass("attention_calls", tracing.attention_calls, "sdpa calls given the un-repeated heads and an additive mask", inside="trace"),
+    Pass("canonicalize", canonicalize_ops, "each node's canonical op", required=True),
+    Pass("fuse_patterns", planning_pass(passes.fuse_patterns), "each pattern match a region and its kernel"),
+    Pass("fuse_generic", planning_pass(passes.fuse_generic), "the glue no pattern took, in regions, each a row program"),
+    Pass("widen", planning_pass(passes.widen), "single unfused ops pulled into the kernel next to them"),
+    Pass("merge", planning_pass(passes.merge), "a kernel with the kernel that reads it, then kernels reading one activation"),
+    Pass("store_in_place", planning_pass(passes.store_in_place), "a kernel whose output is only copied into a slice writes it there"),
+    Pass("validate", planning_pass(passes.validate), "every kernel against eager on one recorded run; a wrong one falls back"),
+    Pass("place", planning_pass(passes.place), "the surviving kernels placed in the program again", required=True),
+    Pass("precompute", precompute, "glue of parameters alone computed once, at apply time"),
+    Pass("copy_kernels", choose_copy_kernels, "a copy kernel for each reshape left eager that must copy"),
+    Pass("once_per_forward", share_once_per_forward, "kernels of the call's inputs alone launched once per model forward"),
+    Pass("rewrite_graph", fused_graph, "the fused graph: kernels in, the nodes they replace out", required=True),
+    Pass("install_copies", copies_installed, "the copy kernels put in the fused graph", off_with="copy_kernels"),
+    Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),
+    Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
+)  # fmt: skip
+
+
+def switchable() -> list[str]:
+    """The names that switch a pass off, in list order."""
+    return [p.name for p in PASS_LIST if p.switch == p.name]
+
+
+def switched_off(names: Iterable[str] | str = ()) -> tuple[str, ...]:
+    """The passes to switch off, in list order: ``names`` (the ``disable_passes`` option; a
+    comma-separated string too) and those of :data:`DISABLE_PASSES_ENV`. A name that is not a
+    switchable pass raises :class:`UnknownPass`, naming it and listing the switchable ones."""
+    if isinstance(names, str):
+        names = names.split(",")
+    asked = [("disable_passes", n.strip()) for n in names if n.strip()]
+    asked += [(DISABLE_PASSES_ENV, n.strip()) for n in os.environ.get(DISABLE_PASSES_ENV, "").split(",") if n.strip()]
+    known = switchable()
+    for where, name in asked:
+        if name not in known:
+            raise UnknownPass(_why_not(name, where, known))
+    return tuple(n for n in known if n in {name for _, name in asked})
+
+
+def _why_not(name: str, where: str, known: list[str]) -> str:
+    found = next((p for p in PASS_LIST if p.name == name), None)
+    if found is None:
+        what = f"{name!r} (in {where}) is no pass of fuser.pipeline.pass_list"
+    elif found.required:
+        what = f"{name!r} (in {where}) cannot be switched off: a fused forward needs it"
+    else:
+        what = f"{name!r} (in {where}) is switched off with {found.switch!r}"
+    return f"{what}; the passes that can be switched off are: {', '.join(known)}"
+
+
+class UnknownPass(ValueError):
+    """A name in ``disable_passes`` or ``FUSER_DISABLE_PASSES`` that switches no pass off."""
+
+
+def run_pass_list(f: Fusing) -> Fusing:
+    """Run every step of :data:`PASS_LIST` in order, but those ``f.off`` switches off."""
+    for p in PASS_LIST:
+        if not p.inside and p.switch not in f.off:
+            p.run(f)
+    return f
+
+
+def describe() -> str:
+    """The list as text, a line a step: name, what it does, and how to switch it off."""
+    lines = []
+    for p in PASS_LIST:
+        how = "required" if p.required else f"off with {p.switch}" if p.switch != p.name else "switchable"
+        lines.append(f"{'  ' if p.inside else ''}{p.name:<{20 if p.inside else 22}} {how:<24} {p.does}")
+    return "\n".join(lines)
