@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from fuser.pattern import templates_dir
-from fuser.lower.tiling import pow2
 from fuser.lower.warps import elements_per_warp, warps_for
 
 TABLE_DIR = Path(__file__).resolve().parent / "launch_configs"
@@ -45,9 +44,17 @@ def current_gpu() -> str | None:
     return gpu_key(torch.cuda.get_device_name())
 
 
+class LaunchTableError(ValueError):
+    """A launch table that cannot be read; names the file (or the directory) and the variable."""
+
+
 def table_dirs() -> list[Path]:
-    """Where tables are read from: the user's directories first, then fuser's own."""
+    """Where tables are read from: the user's directories first, then fuser's own. A directory
+    named in $FUSER_LAUNCH_CONFIGS that does not exist is an error, not a table silently missed."""
     user = [Path(p) for p in os.environ.get(USER_TABLES, "").split(os.pathsep) if p]
+    for directory in user:
+        if not directory.is_dir():
+            raise LaunchTableError(f"{USER_TABLES} names {directory}, which is not a directory")
     return user + [TABLE_DIR]
 
 
@@ -58,8 +65,30 @@ def load_table(gpu: str) -> dict[str, int]:
     for directory in reversed(table_dirs()):
         path = directory / f"{gpu}.json"
         if path.exists():
-            warps.update({e["kernel"]: e["num_warps"] for e in json.loads(path.read_text())["entries"]})
+            warps.update(_entries(path))
     return warps
+
+
+def _entries(path: Path) -> dict[str, int]:
+    """A table file's entries (kernel hash -> warps), or an error naming the file and what is
+    wrong: not JSON, no ``entries`` list, an entry without a ``kernel`` string or with warps that
+    are not a power of two from 1 to 32."""
+    where = f"launch table {path} (read through {USER_TABLES} or fuser's own)"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise LaunchTableError(f"{where}: {e}") from None
+    entries = table.get("entries") if isinstance(table, dict) else None
+    if not isinstance(entries, list):
+        raise LaunchTableError(f"{where}: no \"entries\" list")
+    found = {}
+    for i, entry in enumerate(entries):
+        kernel = entry.get("kernel") if isinstance(entry, dict) else None
+        warps = entry.get("num_warps") if isinstance(entry, dict) else None
+        if not isinstance(kernel, str) or type(warps) is not int or warps not in (1, 2, 4, 8, 16, 32):
+            raise LaunchTableError(f"{where}: entry {i} needs a \"kernel\" hash and \"num_warps\" of 1, 2, 4, 8, 16 or 32, has {entry!r}")
+        found[kernel] = warps
+    return found
 
 
 def entry_key(spec) -> dict:

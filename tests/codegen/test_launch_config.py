@@ -145,3 +145,32 @@ def test_every_entry_of_the_h200_table_is_a_kernel_of_the_dsv4_example():
 def test_gpu_key_is_a_file_name():
     assert launch_config.gpu_key("NVIDIA H200") == "NVIDIA_H200"
     assert launch_config.gpu_key("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{not json", "Expecting property name"),
+    ('{"tables": []}', 'no "entries" list'),
+    ('{"entries": [{"kernel": "abc", "num_warps": 3}]}', "entry 0 needs"),
+    ('{"entries": [{"num_warps": 4}]}', "entry 0 needs"),
+])  # fmt: skip
+def test_a_malformed_table_is_an_error_naming_its_file(tmp_path, monkeypatch, text, problem):
+    (tmp_path / "Test_GPU.json").write_text(text)
+    monkeypatch.setenv(launch_config.USER_TABLES, str(tmp_path))
+    launch_config.load_table.cache_clear()
+    try:
+        with pytest.raises(launch_config.LaunchTableError, match=problem) as error:
+            launch_config.load_table("Test_GPU")
+    finally:
+        launch_config.load_table.cache_clear()
+    assert str(tmp_path / "Test_GPU.json") in str(error.value) and launch_config.USER_TABLES in str(error.value)
+
+
+def test_a_missing_table_directory_is_an_error(tmp_path, monkeypatch):
+    missing = tmp_path / "nowhere"
+    monkeypatch.setenv(launch_config.USER_TABLES, str(missing))
+    launch_config.load_table.cache_clear()
+    try:
+        with pytest.raises(launch_config.LaunchTableError, match=f"{launch_config.USER_TABLES} names {missing}"):
+            launch_config.load_table("Test_GPU")
+    finally:
+        launch_config.load_table.cache_clear()

@@ -328,17 +328,6 @@ def test_fp32_accuracy_over_a_wide_range(case):
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def test_every_table_op_has_a_lowering():
-    """Each entry is pointwise (with an expression, float or integer) or names a lowering
-    method that exists."""
-    from fuser.lower.lowerer import Lowerer
-
-    for name, op in ops.TABLE.items():
-        if op.kind == ops.POINTWISE and (op.triton or op.integer):
-            continue
-        assert op.lowering and hasattr(Lowerer, f"lower_{op.lowering}"), name
-
-
 class TopK(nn.Module):
     """``torch.topk`` of a residual sum, its values scaled and its indices returned."""
 
