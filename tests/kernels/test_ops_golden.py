@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from helpers import assert_close, eager_call, fused_call, gen, randn
 
 import fuser
-from fuser.ir import ops
 from fuser.validate.tolerance import KERNEL
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
