@@ -17,11 +17,13 @@ dtype, or its last), the width — the last dim of the first input — at its ex
 6, 42 and 123 where the reference accepts that width (a pattern whose code needs, say, an even
 or a power-of-two width skips the others), and, when an input has ``...`` dims, one case with
 a leading dim. Other sizes stay at their example values. On the CPU, kernels run in Triton's
-interpreter (``TRITON_INTERPRET=1``).
+interpreter: importing fuser turns it on (``TRITON_INTERPRET=1``) unless triton was imported
+before with it off, which both entry points report as an error rather than run no kernel.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -177,6 +179,9 @@ def golden_tests(path: str | os.PathLike, device: str | None = None):
     (relative to the working directory): ``test_my_chain = golden_tests("patterns/my_chain.py")``."""
     import pytest  # only the pytest entry point needs it
 
+    problem = fuser.interpreter_problem()
+    if problem:
+        raise RuntimeError(f"fuser.testing: {problem}")
     pattern = load_pattern(path, template_names())
     cases = pattern_cases(pattern)
 
@@ -189,25 +194,42 @@ def golden_tests(path: str | os.PathLike, device: str | None = None):
     return test_pattern_file
 
 
-def run_pattern_file(path: str, out=sys.stdout) -> int:
-    """Run the golden cases of one pattern file, print a line per case and a summary.
-    Returns 0 when every case passes, 1 when any fails, 2 when the file is not a valid pattern."""
+def run_pattern_file(path: str | os.PathLike, out=None, err=None, as_json: bool = False) -> int:
+    """Run the golden cases of one pattern file; print a line per case and a summary to ``out``
+    (stdout), or with ``as_json`` one JSON object: the file, pattern, device, each case's id and
+    problem (null when it passes) and the counts. Returns 0 when every case passes, 1 when any
+    fails, 2 when the file is not a valid pattern file or no kernel can run here, said on
+    ``err``: stderr, or ``out`` when only ``out`` is given (a caller capturing it gets all)."""
+    out, err = out or sys.stdout, err or out or sys.stderr
+    problem = fuser.interpreter_problem()
+    if problem:
+        print(f"fuser: {problem}", file=err)
+        return 2
+    if Path(path).is_dir():
+        print(f"fuser: {path} is a directory; give one pattern file", file=err)
+        return 2
     device = default_device()
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run in Triton's interpreter
     try:
         pattern = load_pattern(path, template_names())
-    except (PatternError, FileNotFoundError) as e:
-        print(f"not a valid pattern file: {e}", file=out)
+    except (PatternError, OSError) as e:
+        print(f"fuser: not a valid pattern file: {e}", file=err)
         return 2
     cases = pattern_cases(pattern)
-    failed = 0
+    results = []
     for case in cases:
         problem = check_case(pattern, case, device)
-        failed += problem is not None
-        print(f"{'FAIL' if problem else 'ok':<4} {pattern.name} [{case.id}]" + (f": {problem}" if problem else ""), file=out)
-    print(f"{Path(path)}: {len(cases) - failed} of {len(cases)} cases pass on {device}", file=out)
-    return 1 if failed else 0
+        results.append({"id": case.id, "ok": problem is None, "problem": problem})
+        if not as_json:
+            print(f"{'FAIL' if problem else 'ok':<4} {pattern.name} [{case.id}]" + (f": {problem}" if problem else ""), file=out)
+    passed = sum(r["ok"] for r in results)
+    if as_json:
+        print(json.dumps({
+            "file": str(path), "pattern": pattern.name, "device": device, "cases": results,
+            "passed": passed, "failed": len(results) - passed,
+        }, indent=2), file=out)  # fmt: skip
+    else:
+        print(f"{Path(path)}: {passed} of {len(cases)} cases pass on {device}", file=out)
+    return 0 if passed == len(results) else 1
 
 
 __all__ = ["golden_tests", "run_pattern_file", "pattern_cases", "check_case", "reference_module", "Case"]

@@ -2,14 +2,21 @@
 
 FACTORY is any function in FILE.py that returns ``(module, example_inputs)``.
 
-Exit codes: 0 ok, 1 a mismatch (``check``, ``test-pattern``), 2 a usage or input error (a
-missing file or factory, a factory that raises, a bad pattern file, a module fuser refuses),
-3 an internal error of fuser (``FUSER_DEBUG=1`` prints its traceback).
+Exit codes: 0 ok, 1 a mismatch (``check``, ``test-pattern``; for ``check`` also a candidate
+kernel that could not run at all, so was never compared), 2 a usage or input error (a missing
+file or factory, a factory that raises or exits, a bad pattern file, a module fuser refuses,
+triton imported without its interpreter on a machine without CUDA), 3 an internal error of
+fuser. Errors are one line on stderr; ``FUSER_DEBUG=1`` prints their traceback first.
+
+With ``--json`` (every command has it) stdout holds the JSON alone: whatever the factory, the
+module or fuser print goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -19,7 +26,7 @@ import sysconfig
 import traceback
 from pathlib import Path
 
-from fuser import __version__
+from fuser import __version__, interpreter_problem
 
 OK, MISMATCH, USAGE, INTERNAL = 0, 1, 2, 3
 
@@ -33,6 +40,11 @@ class UsageError(Exception):
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _what_it_did(error: BaseException) -> str:
+    """``raised ValueError: ...``, or ``called sys.exit(7)`` for a SystemExit."""
+    return f"called sys.exit({error.code!r})" if isinstance(error, SystemExit) else f"raised {_first_line(error)}"
 
 
 def _frame_in(error: BaseException, file: Path) -> str:
@@ -54,8 +66,8 @@ def load_factory(spec: str):
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any failure to import the user's file is the input's
-        raise UsageError(f"{_frame_in(e, file)}: cannot load {path}: {_first_line(e)}") from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure to import the user's file is the input's
+        raise UsageError(f"{_frame_in(e, file)}: cannot load {path}: it {_what_it_did(e)}") from e
     factory = getattr(module, name, None)
     if not callable(factory):
         raise UsageError(f"{path} has no function {name!r}")
@@ -65,18 +77,28 @@ def load_factory(spec: str):
 def build(spec: str, **factory_args):
     """Call the factory of ``FILE.py:FACTORY``: ``(module, args, kwargs)`` (a factory returns
     ``(module, example_inputs)`` or ``(module, args, kwargs)``)."""
+    import torch
+
     from fuser.trace.call_spec import example_call
 
     factory = load_factory(spec)
     file = Path(spec.rpartition(":")[0]).resolve()
     try:
         result = factory(**factory_args)
-    except Exception as e:  # noqa: BLE001 - the user's factory failed, not fuser
-        raise UsageError(f"{_frame_in(e, file)}: {factory.__name__}() raised {_first_line(e)}") from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's factory failed, not fuser
+        raise UsageError(f"{_frame_in(e, file)}: {factory.__name__}() {_what_it_did(e)}") from e
     try:
-        return example_call(result)
+        module, args, kwargs = example_call(result)
     except TypeError as e:
         raise UsageError(f"{spec}: {e}") from None
+    if not isinstance(module, torch.nn.Module):
+        line = getattr(getattr(factory, "__code__", None), "co_firstlineno", None)
+        what = " ".join(filter(None, [type(module).__name__, getattr(module, "__name__", None)]))
+        raise UsageError(
+            f"{file}{f':{line}' if line else ''}: {factory.__name__}() returned {what} as the module;"
+            " fuser fuses a torch.nn.Module: return one whose forward calls it"
+        )
+    return module, args, kwargs
 
 
 def resolve_leaves(module, names) -> list:
@@ -115,15 +137,75 @@ def _function_at(path: str):
     return value if callable(value) and not isinstance(value, type) else None
 
 
-def _use_interpreter_without_gpu():
-    import torch
+def pattern_paths(paths) -> list[Path]:
+    """``--patterns`` entries -> pattern files: a file as given; a directory as the ``*.py`` in it
+    that assign ``PATTERN`` at their top level, read, not run, so that a helper module beside
+    them is neither executed nor refused (files named ``_*`` are skipped, as the loader does)."""
+    found = []
+    for entry in map(Path, paths or ()):
+        if not entry.is_dir():
+            found.append(entry)  # a missing one: the loader names it
+            continue
+        files = [f for f in sorted(entry.glob("*.py")) if not f.name.startswith("_") and _declares_pattern(f)]
+        if not files:
+            raise UsageError(f"--patterns {entry}: no pattern file there (a pattern file assigns PATTERN = dict(...))")
+        found += files
+    return found
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's CPU interpreter
+
+def _declares_pattern(file: Path) -> bool:
+    try:
+        tree = ast.parse(file.read_text(), filename=str(file))
+    except SyntaxError:
+        return True  # the loader reports it, with its line
+    targets = [t for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]  # fmt: skip
+    return any(isinstance(t, ast.Name) and t.id == "PATTERN" for t in targets)
 
 
 def _options(args, module, kwargs) -> dict:
-    return {"leaves": resolve_leaves(module, args.leaf), "patterns": args.patterns or (), "example_kwargs": kwargs}
+    return {"leaves": resolve_leaves(module, args.leaf), "patterns": pattern_paths(args.patterns), "example_kwargs": kwargs}
+
+
+def _say(args, text: str) -> None:
+    """The command's result, on the real stdout (with ``--json``, anything else printed while
+    the command runs goes to stderr)."""
+    print(text, file=getattr(args, "stdout", None) or sys.stdout)
+
+
+def _reports(report) -> list:
+    """The per-module reports in ``report``: itself, or a model's per layer structure and other submodule."""
+    if report is None:
+        return []
+    if hasattr(report, "groups"):  # a ModelReport
+        return [g.report for g in report.groups if g.report] + list(report.others.values())
+    return [report]
+
+
+def kernels_that_could_not_run(report) -> list[str]:
+    """Candidates validation rejected because their kernel raised (``kernel k.py failed: ...``):
+    an error of the environment (triton in the wrong mode, out of memory) or of fuser, not a
+    difference from the model's eager result, so nothing was compared for them."""
+    return [
+        f"{r.pattern} at {r.anchor}: {r.reason}"
+        for one in _reports(report) for r in one.rejected
+        if r.category == "validation" and r.reason.startswith("kernel ") and " failed: " in r.reason
+    ]  # fmt: skip
+
+
+def _kernels(report) -> int:
+    return sum(len(one.chains) for one in _reports(report))
+
+
+def _could_not_run(failed: list[str], shown: int = 5) -> list[str]:
+    lines = [
+        f"{len(failed)} candidate kernel{'s' if len(failed) != 1 else ''} could not run at validation"
+        " (an error of the environment or of fuser, not a difference from eager), so they were not compared:"
+    ]
+    lines += [f"  {f}" for f in failed[:shown]]
+    if len(failed) > shown:
+        lines.append(f"  ... and {len(failed) - shown} more (`fuser explain` lists them all)")
+    return lines
 
 
 def cmd_explain(args) -> int:
@@ -131,7 +213,10 @@ def cmd_explain(args) -> int:
 
     module, inputs, kwargs = build(args.target)
     report = fuser.explain(module, inputs, **_options(args, module, kwargs))
-    print(report.json() if args.json else report.text())
+    _say(args, report.json() if args.json else report.text())
+    failed = kernels_that_could_not_run(report)
+    if failed:
+        print("\n".join(f"fuser: note: {line}" for line in _could_not_run(failed)), file=sys.stderr)
     return OK
 
 
@@ -140,11 +225,26 @@ def cmd_check(args) -> int:
 
     module, inputs, kwargs = build(args.target)
     result = fuser.check(module, inputs, **_options(args, module, kwargs))
+    failed = kernels_that_could_not_run(result.report)
+    kernels = _kernels(result.report)
+    ok = result.ok and not failed
     if args.json:
-        print(json.dumps({"ok": result.ok, "problems": result.problems, "compared": result.compared}, indent=2))
-    else:
-        print(result.text())
-    return OK if result.ok else MISMATCH
+        report = result.report.to_json() if result.report is not None else None
+        _say(args, json.dumps({
+            "ok": ok, "problems": result.problems, "compared": result.compared, "kernels": kernels,
+            "kernels_not_run": failed, "report": report,
+        }, indent=2, default=str))  # fmt: skip
+        return OK if ok else MISMATCH
+    head = "check passed" if ok else "check FAILED"
+    lines = [
+        f"{head}: fused vs eager on the example inputs ({len(result.compared)} tensors compared,"
+        f" {kernels} fused kernel{'s' if kernels != 1 else ''} ran)"
+    ]
+    lines += [f"  {p}" for p in result.problems]
+    if failed:
+        lines += ["  " + line for line in _could_not_run(failed)]
+    _say(args, "\n".join(lines))
+    return OK if ok else MISMATCH
 
 
 def cmd_profile(args) -> int:
@@ -155,12 +255,12 @@ def cmd_profile(args) -> int:
     on_gpu = any(c.gpu_us is not None for c in chains)
     if args.json:
         cost = "gpu_us" if on_gpu else "launches"
-        print(json.dumps({"module": type(module).__name__, "cost": cost, "chains": [c.to_json() for c in chains]}, indent=2))
+        _say(args, json.dumps({"module": type(module).__name__, "cost": cost, "chains": [c.to_json() for c in chains]}, indent=2))
         return OK
     where = "eager CUDA time" if on_gpu else "eager kernel launches"
-    print(f"glue chains of {type(module).__name__}, costliest first ({where}):")
+    _say(args, f"glue chains of {type(module).__name__}, costliest first ({where}):")
     for chain in chains:
-        print("  " + chain.describe())
+        _say(args, "  " + chain.describe())
     return OK
 
 
@@ -174,17 +274,17 @@ def cmd_suggest(args) -> int:
     target = suggestion_target(result)
     if target is None:
         message = "nothing to suggest: every glue chain is claimed by a pattern"
-        print(json.dumps({"chain": None, "file": None, "source": None}) if args.json else f"fuser: {message}")
+        _say(args, json.dumps({"chain": None, "file": None, "source": None}) if args.json else f"fuser: {message}")
         return OK
     source = skeleton(target, result.traced, result.cops, Path(args.out).stem if args.out else "new_chain")
     if args.out:
         Path(args.out).write_text(source)
     if args.json:
-        print(json.dumps({"chain": target.to_json(), "file": args.out, "source": source}, indent=2))
+        _say(args, json.dumps({"chain": target.to_json(), "file": args.out, "source": source}, indent=2))
     elif args.out:
-        print(f"wrote {args.out} for: {target.describe()}")
+        _say(args, f"wrote {args.out} for: {target.describe()}")
     else:
-        print(source)
+        _say(args, source)
     return OK
 
 
@@ -199,8 +299,11 @@ def cmd_bench(args) -> int:
     variants = tuple(args.variants.split(","))
     result = bench.run(load_factory(args.target), args.target, tokens, variants)
     paths = bench.write(result, Path(args.out), args.name)
-    print(result.markdown())
-    print("wrote " + ", ".join(str(p) for p in paths))
+    if args.json:
+        _say(args, json.dumps({**json.loads(result.json()), "files": [str(p) for p in paths]}, indent=2))
+        return OK
+    _say(args, result.markdown())
+    _say(args, "wrote " + ", ".join(str(p) for p in paths))
     return OK
 
 
@@ -219,16 +322,25 @@ def cmd_tune(args) -> int:
     about = {**bench.stamp(), "tokens": list(tokens)}
     path = write_table(entries, Path(args.out) if args.out else TABLE_DIR, current_gpu(), about)
     slow = [e for e in entries if e["heuristic_over_best"] > 1.1]
-    print(f"wrote {path}: {len(entries)} kernels; the heuristic is within 10% of the best on {len(entries) - len(slow)}")
+    if args.json:
+        _say(args, json.dumps({"table": str(path), "gpu": current_gpu(), **about, "entries": entries}, indent=2, default=str))
+        return OK
+    _say(args, f"wrote {path}: {len(entries)} kernels; the heuristic is within 10% of the best on {len(entries) - len(slow)}")
     if args.out:
-        print(f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
+        _say(args, f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
     return OK
 
 
 def cmd_test_pattern(args) -> int:
     from fuser.testing import run_pattern_file
 
-    return run_pattern_file(args.file)
+    path = Path(args.file)
+    if path.is_dir():
+        files = ", ".join(f.name for f in sorted(path.glob("*.py")) if _declares_pattern(f)) or "none"
+        raise UsageError(f"{args.file} is a directory; test-pattern takes one pattern file (pattern files there: {files})")
+    if not path.is_file():
+        raise UsageError(f"{args.file}: no such file")
+    return run_pattern_file(args.file, out=getattr(args, "stdout", None), err=sys.stderr, as_json=args.json)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -269,12 +381,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="eager,compile,fuser", help="what to time, comma-separated (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the .json and .md results (default: %(default)s)")
     p.add_argument("--name", default="bench", help="file name stem of the results (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON (the files are written as well)")
     p = command("tune", cmd_tune, "choose each fused kernel's warps on this GPU, offline; writes a launch table")
     p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
     p.add_argument("--tokens", default="8,256", help="token counts to time at, comma-separated (default: %(default)s)")
     p.add_argument("--out", metavar="DIR", help="directory of the table (default: fuser's own launch_configs/)")
+    p.add_argument("--json", action="store_true", help="print the table written and its entries as JSON")
     p = command("test-pattern", cmd_test_pattern, "golden-test a pattern file on its own; exit 1 on mismatch, 2 if invalid")
     p.add_argument("file", metavar="FILE.py", help="the pattern file")
+    p.add_argument("--json", action="store_true", help="print each case and the totals as JSON")
     return top
 
 
@@ -293,34 +408,44 @@ def _user_frame_of(error: BaseException) -> str | None:
 
 
 def run(args) -> int:
-    """Run the command; errors as one line on stderr and their exit code."""
+    """Run the command; errors as one line on stderr (after their traceback with
+    ``FUSER_DEBUG=1``) and their exit code. With ``--json``, what the factory, the module or
+    fuser print while it runs goes to stderr, so that stdout holds the JSON alone."""
     from fuser.pipeline.fuse_module import FuserError
     from fuser.codegen.emit import TemplateError
     from fuser.pattern import PatternError
     from fuser.trace.tracing import TraceRefused
 
+    debug = os.environ.get("FUSER_DEBUG") == "1"
+    args.stdout = sys.stdout
     try:
-        return args.fn(args)
+        problem = interpreter_problem()
+        if problem:
+            raise UsageError(problem)
+        with contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext():
+            return args.fn(args)
     except BrokenPipeError:
         raise
     except (UsageError, FuserError, PatternError, TemplateError, TraceRefused) as e:
+        if debug:
+            traceback.print_exc()
         print(f"fuser: {e}", file=sys.stderr)
         return USAGE
-    except Exception as e:  # noqa: BLE001 - anything else: one line, the traceback on request
-        if os.environ.get("FUSER_DEBUG") == "1":
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - anything else: one line, the traceback on request
+        if debug:
             traceback.print_exc()
         where = _user_frame_of(e)
         if where:  # raised in the user's code (the module's forward, say)
-            print(f"fuser: {where}: {_first_line(e)}", file=sys.stderr)
+            print(f"fuser: {where}: {_what_it_did(e) if isinstance(e, SystemExit) else _first_line(e)}", file=sys.stderr)
             return USAGE
-        print(f"fuser: internal error: {_first_line(e)} (run with FUSER_DEBUG=1 for the traceback)", file=sys.stderr)
+        hint = "" if debug else " (run with FUSER_DEBUG=1 for the traceback)"
+        print(f"fuser: internal error: {_first_line(e)}{hint}", file=sys.stderr)
         return INTERNAL
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        _use_interpreter_without_gpu()
         code = run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code

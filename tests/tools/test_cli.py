@@ -192,6 +192,107 @@ def test_an_error_in_the_modules_own_code_is_an_input_error_naming_its_line(smal
     assert f"small.py:{line_of('BROKEN')}" in message and "RuntimeError" in message
 
 
+FACTORIES = """\
+import sys
+
+import torch
+
+
+def sigmoid(x):
+    return torch.sigmoid(x.float()).to(x.dtype)
+
+
+def plain_function():  # PLAIN
+    return sigmoid, (torch.randn(4, 16),)
+
+
+def noisy():
+    print("building the module")  # a factory's own output
+    return torch.nn.Sigmoid(), (torch.randn(4, 16),)
+
+
+def exits():
+    sys.exit(7)  # EXITS
+"""
+
+
+@pytest.fixture(scope="module")
+def factories(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "factories.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+def factory_line(marker: str) -> int:
+    return next(i for i, s in enumerate(FACTORIES.splitlines(), 1) if s.endswith(f"# {marker}"))
+
+
+def test_a_factory_returning_a_plain_function_is_an_input_error(factories, capsys):
+    from fuser.tools.cli import main
+
+    assert main(["explain", f"{factories}:plain_function"]) == 2  # was 3, an internal error
+    message = one_line(capsys.readouterr().err)
+    assert f"factories.py:{factory_line('PLAIN')}" in message
+    assert "returned function sigmoid as the module" in message and "torch.nn.Module" in message
+
+
+def test_a_factory_that_exits_is_reported_as_its_error(factories, capsys):
+    from fuser.tools.cli import main
+
+    assert main(["check", f"{factories}:exits"]) == 2  # was: exit 7, nothing said
+    message = one_line(capsys.readouterr().err)
+    assert f"factories.py:{factory_line('EXITS')}" in message and "exits() called sys.exit(7)" in message
+
+
+def test_a_factorys_output_stays_out_of_json(factories, capsys):
+    from fuser.tools.cli import main
+
+    assert main(["explain", f"{factories}:noisy", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["module"] == "Sigmoid"
+    assert "building the module" in err
+
+
+def test_every_command_has_json():
+    import argparse
+
+    from fuser.tools.cli import parser
+
+    (commands,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        assert any("--json" in a.option_strings for a in sub._actions), name
+
+
+def test_check_json_holds_the_report(small, capsys):
+    from fuser.tools.cli import main
+
+    assert main(["check", f"{small}:norm_then_cumsum", "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert checked["ok"] is True and checked["kernels"] == 1 and checked["kernels_not_run"] == []
+    assert checked["report"]["module"] == "NormThenCumsum"
+    assert [c["pattern"] for c in checked["report"]["chains"]] == ["rmsnorm"]
+
+
+HELPER = """\
+from pathlib import Path
+
+Path(__file__).with_suffix(".ran").write_text("executed")  # a helper module, not a pattern file
+"""
+
+
+def test_patterns_dir_loads_only_its_pattern_files(small, tmp_path, capsys):
+    from fuser.tools.cli import main
+
+    (tmp_path / "sigmoid_chain.py").write_text(PASSING_PATTERN)
+    (tmp_path / "helpers.py").write_text(HELPER)
+    assert main(["explain", f"{small}:gated", "--patterns", str(tmp_path), "--json"]) == 0, capsys.readouterr().err
+    json.loads(capsys.readouterr().out)
+    assert not (tmp_path / "helpers.ran").exists()  # was run, then refused as no pattern file
+    (tmp_path / "sigmoid_chain.py").unlink()
+    assert main(["explain", f"{small}:gated", "--patterns", str(tmp_path)]) == 2
+    assert "no pattern file there" in one_line(capsys.readouterr().err)
+
+
 def test_a_leaf_naming_nothing_is_an_input_error_naming_the_leaf(small):
     result = fuser_cli("explain", f"{small}:gated", "--leaf", "nosuchmodule")
     assert result.returncode == 2
@@ -218,7 +319,19 @@ def test_an_internal_error_is_one_line_and_exit_3(small, monkeypatch, capsys):
     assert "internal error: RuntimeError: boom" in message and "FUSER_DEBUG=1" in message
     monkeypatch.setenv("FUSER_DEBUG", "1")
     assert main(["explain", f"{small}:gated"]) == 3
-    assert "Traceback" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "internal error: RuntimeError: boom" in err
+    assert "run with FUSER_DEBUG=1" not in err  # it was
+
+
+def test_fuser_debug_prints_the_traceback_of_an_input_error_too(small, monkeypatch, capsys):
+    from fuser.tools.cli import main
+
+    monkeypatch.setenv("FUSER_DEBUG", "1")
+    assert main(["explain", f"{small}:raises"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "no weights here" in err
+    assert err.strip().splitlines()[-1].startswith("fuser: ")  # the one line still ends it
 
 
 def test_output_into_a_closed_pipe_ends_quietly(small):
@@ -337,7 +450,27 @@ def test_test_pattern_runs_fuser_testing_on_the_file(tmp_path):
     assert "pass" in result.stdout
     result = fuser_cli("test-pattern", str(bad))
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "bad.py:1" in result.stdout + result.stderr
+    assert "bad.py:1" in one_line(result.stderr) and result.stdout == ""  # errors on stderr
+
+
+def test_test_pattern_json(tmp_path, capsys):
+    from fuser.tools.cli import main
+
+    good = tmp_path / "sigmoid.py"
+    good.write_text(PASSING_PATTERN)
+    assert main(["test-pattern", str(good), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pattern"] == "sigmoid" and result["failed"] == 0 and result["passed"] == len(result["cases"]) > 0
+    assert all(case["ok"] and case["problem"] is None for case in result["cases"])
+
+
+def test_test_pattern_on_a_directory_is_an_input_error(tmp_path, capsys):
+    from fuser.tools.cli import main
+
+    (tmp_path / "sigmoid.py").write_text(PASSING_PATTERN)
+    assert main(["test-pattern", str(tmp_path)]) == 2  # was 3, an internal error
+    out, err = capsys.readouterr()
+    assert out == "" and "is a directory" in one_line(err) and "sigmoid.py" in err
 
 
 def test_a_factory_may_return_keyword_arguments():
@@ -350,3 +483,13 @@ def test_a_factory_may_return_keyword_arguments():
 def test_tune_without_a_gpu_is_a_usage_error():
     result = fuser_cli("tune", "examples/zoo/layers.py:qwen3_proj")
     assert result.returncode == 2 and "CUDA GPU" in result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_bench_and_tune_take_json(command, capsys):
+    from fuser.tools.cli import main
+
+    assert main([command, "examples/zoo/layers.py:qwen3_proj", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "CUDA GPU" in one_line(err)  # not "unrecognized arguments: --json"
