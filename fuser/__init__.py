@@ -30,6 +30,8 @@ _choose_the_interpreter()
 
 from fuser.api import CheckResult, FuserError, apply, check, explain, plan
 from fuser.codegen.emit import CaptureCompileError
+from fuser.codegen.interpreter import interpreter_problem
+from fuser.install.splice import call_counts as stats
 from fuser.install.splice import is_fused
 from fuser.ir.opaque import is_opaque, opaque
 from fuser.ir.report import Report
@@ -55,42 +57,12 @@ def _version() -> str:
 __version__ = _version()
 
 
-def interpreter_problem() -> str | None:
-    """Why no fused kernel can run in this process, or None: on a machine without CUDA, triton
-    was imported with its interpreter off. Triton builds its own ``@jit`` helpers (``tl.sigmoid``
-    and the like) when it is imported, interpreted or compiled as ``TRITON_INTERPRET`` said then;
-    compiled ones fail inside an interpreted kernel (``Cannot call @triton.jit'd outside of the
-    scope of a kernel``), whatever the variable says now."""
-    triton = sys.modules.get("triton")
-    if triton is None:
-        return None
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(standard.sigmoid, InterpretedFunction):
-        return None
-    now = os.environ.get("TRITON_INTERPRET")
-    said = "TRITON_INTERPRET=1 was set after triton was imported" if now == "1" else (
-        f"TRITON_INTERPRET={now}" if now is not None else "TRITON_INTERPRET was not set"
-    )
-    return (
-        f"triton runs compiled here ({said}) and this machine has no CUDA GPU, so no fused kernel can run: "
-        "set TRITON_INTERPRET=1 in the environment before Python starts (`TRITON_INTERPRET=1 python ...`), "
-        "or in os.environ before anything imports triton (import fuser first: it sets it; transformers and "
-        "torch's own ops may import triton)"
-    )
-
-
 if _TRITON_BEFORE_FUSER and interpreter_problem():  # (an explicit TRITON_INTERPRET=0 is the user's choice)
     import warnings
 
     warnings.warn(f"fuser: {interpreter_problem()}", RuntimeWarning, stacklevel=2)
 
 __all__ = [
-    "__version__", "interpreter_problem", "apply", "restore", "explain", "check", "plan", "opaque", "is_opaque", "is_fused",
+    "__version__", "interpreter_problem", "apply", "restore", "explain", "check", "plan", "stats", "opaque", "is_opaque", "is_fused",
     "Param", "tensor", "Report", "ModelReport", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
 ]  # fmt: skip

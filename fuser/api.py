@@ -10,7 +10,7 @@ pipeline).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,12 +96,39 @@ class CheckResult:
     problems: list[str]
     compared: list[str]
     report: Report | None = None
+    not_run: list[str] = field(default_factory=list)  # candidates whose kernel raised at validation
+
+    @property
+    def kernels(self) -> int:
+        """Fused kernels that ran against eager."""
+        return sum(len(one.chains) for one in module_reports(self.report))
 
     def text(self) -> str:
         head = "check passed" if self.ok else "check FAILED"
-        lines = [f"{head}: fused vs eager on the example inputs ({len(self.compared)} tensors compared)"]
+        lines = [f"{head}: fused vs eager on the example inputs ({len(self.compared)} tensors compared, {self.kernels} fused kernels ran)"]
         lines += [f"  {p}" for p in self.problems]
+        lines += [f"  could not run (an error of the environment or of fuser, not compared): {n}" for n in self.not_run]
         return "\n".join(lines)
+
+
+def module_reports(report) -> list[Report]:
+    """The per-module reports in ``report``: itself, or a model's per layer structure and other submodule."""
+    if report is None:
+        return []
+    if hasattr(report, "groups"):  # a ModelReport
+        return [g.report for g in report.groups if g.report] + list(report.others.values())
+    return [report]
+
+
+def kernels_that_could_not_run(report) -> list[str]:
+    """Candidates validation rejected because their kernel raised (``kernel k.py failed: ...``):
+    an error of the environment (triton in the wrong mode, out of memory) or of fuser, not a
+    difference from the model's eager result, so nothing was compared for them."""
+    return [
+        f"{r.pattern} at {r.anchor}: {r.reason}"
+        for one in module_reports(report) for r in one.rejected
+        if r.category == "validation" and r.reason.startswith("kernel ") and " failed: " in r.reason
+    ]  # fmt: skip
 
 
 def _state_tensors(module: torch.nn.Module, inputs: list) -> dict[str, torch.Tensor]:
@@ -151,7 +178,8 @@ def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
         problem = mismatch(fused_state[name], expected, name, LAYER)
         if problem:
             problems.append(problem)
-    return CheckResult(not problems, problems, compared, report)
+    not_run = kernels_that_could_not_run(report)
+    return CheckResult(not problems and not not_run, problems, compared, report, not_run)
 
 
 def _check_layered(module, args, kwargs, eager_out, options) -> CheckResult | None:
@@ -167,7 +195,8 @@ def _check_layered(module, args, kwargs, eager_out, options) -> CheckResult | No
     finally:
         restore_model(module)
     problem = mismatch(tensors_of((fused_out,)), tensors_of((eager_out,)), "output", LAYER)
-    return CheckResult(problem is None, [problem] if problem else [], ["output"], report)
+    not_run = kernels_that_could_not_run(report)
+    return CheckResult(problem is None and not not_run, [problem] if problem else [], ["output"], report, not_run)
 
 
 

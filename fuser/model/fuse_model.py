@@ -33,7 +33,8 @@ from fuser.trace.call_spec import CallSpec, is_state, with_state_copied
 from fuser.model.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
 from fuser.install.fused_graph import compile_forward
 from fuser.install.once_per_forward import share_within, unshare
-from fuser.install.splice import STATE_ATTR, add_copy_hooks, install, is_fused, read_attributes, remove_copy_hooks
+from fuser.install.fixed_at_apply import read_attributes
+from fuser.install.splice import STATE_ATTR, add_copy_hooks, install, is_fused, remove_copy_hooks
 from fuser.install.splice import restore as restore_module
 from fuser.validate.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
 from fuser.trace.tracing import preserved_state, trace

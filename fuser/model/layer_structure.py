@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from fuser.trace.leaves import LEAF
 from fuser.pipeline.fuse_module import Plan
-from fuser.install.splice import read_attributes
+from fuser.install.fixed_at_apply import read_attributes
 
 
 def structure(layer: nn.Module) -> tuple:

@@ -20,7 +20,9 @@ from fuser.canon.canonicalize import COMPUTE, INPUT, MUTATION, UNSUPPORTED, eage
 from fuser.codegen.emit import template_names
 from fuser.codegen.kernel import Kernel
 from fuser.install.copies import report_copies
-from fuser.install.splice import AlreadyFused, Guard, Precomputed, install, is_fused, module_lock, precomputation
+from fuser.codegen.interpreter import interpreter_problem
+from fuser.install.fixed_at_apply import Precomputed, precomputation
+from fuser.install.splice import AlreadyFused, Guard, install, is_fused, module_lock
 from fuser.ir.report import FusedChain, Report, Unfused
 from fuser.match.pattern_files import load_patterns
 from fuser.pipeline.pass_list import Fusing, run_pass_list, switched_off
@@ -71,6 +73,8 @@ def plan(
     on_cpu = any(x.device.type == "cpu" for x in tensors_of(example_inputs, example_kwargs))
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise FuserError("the example inputs are on the CPU: fused kernels run there only in Triton's interpreter; set TRITON_INTERPRET=1")
+    if on_cpu and interpreter_problem():
+        raise FuserError(interpreter_problem())
     # precompute=False: every value is read from the live parameters at each call (weights that
     # are loaded or updated after fusing are seen); parameter-only glue then runs every step.
     off = {*disabled, *(() if validate else ("validate",)), *(() if precompute else ("precompute",))}

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from fuser import __version__, interpreter_problem
+from fuser.api import kernels_that_could_not_run
 
 OK, MISMATCH, USAGE, INTERNAL = 0, 1, 2, 3
 
@@ -173,30 +174,6 @@ def _say(args, text: str) -> None:
     print(text, file=getattr(args, "stdout", None) or sys.stdout)
 
 
-def _reports(report) -> list:
-    """The per-module reports in ``report``: itself, or a model's per layer structure and other submodule."""
-    if report is None:
-        return []
-    if hasattr(report, "groups"):  # a ModelReport
-        return [g.report for g in report.groups if g.report] + list(report.others.values())
-    return [report]
-
-
-def kernels_that_could_not_run(report) -> list[str]:
-    """Candidates validation rejected because their kernel raised (``kernel k.py failed: ...``):
-    an error of the environment (triton in the wrong mode, out of memory) or of fuser, not a
-    difference from the model's eager result, so nothing was compared for them."""
-    return [
-        f"{r.pattern} at {r.anchor}: {r.reason}"
-        for one in _reports(report) for r in one.rejected
-        if r.category == "validation" and r.reason.startswith("kernel ") and " failed: " in r.reason
-    ]  # fmt: skip
-
-
-def _kernels(report) -> int:
-    return sum(len(one.chains) for one in _reports(report))
-
-
 def _could_not_run(failed: list[str], shown: int = 5) -> list[str]:
     lines = [
         f"{len(failed)} candidate kernel{'s' if len(failed) != 1 else ''} could not run at validation"
@@ -225,9 +202,7 @@ def cmd_check(args) -> int:
 
     module, inputs, kwargs = build(args.target)
     result = fuser.check(module, inputs, **_options(args, module, kwargs))
-    failed = kernels_that_could_not_run(result.report)
-    kernels = _kernels(result.report)
-    ok = result.ok and not failed
+    failed, kernels, ok = result.not_run, result.kernels, result.ok
     if args.json:
         report = result.report.to_json() if result.report is not None else None
         _say(args, json.dumps({

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from helpers import spied_launches
 
 import fuser
+import fuser.install.fixed_at_apply
 import fuser.install.splice
 from fuser.ir.report import Report
 from fuser.validate.tolerance import KERNEL, mismatch
@@ -192,7 +193,7 @@ def test_a_replaced_parameter_storage_is_seen(projection):
 
 def test_a_change_seen_during_a_capture_runs_eager_and_warns_once(projection, launches, monkeypatch):
     m, x = projection
-    monkeypatch.setattr(fuser.install.splice, "capturing", lambda: True)
+    monkeypatch.setattr(fuser.install.fixed_at_apply, "capturing", lambda: True)
     with torch.no_grad():
         m.scale.fill_(3.0)
     launches.clear()
@@ -202,7 +203,7 @@ def test_a_change_seen_during_a_capture_runs_eager_and_warns_once(projection, la
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_matches_eager(m, x)  # no second warning
-    monkeypatch.setattr(fuser.install.splice, "capturing", lambda: False)
+    monkeypatch.setattr(fuser.install.fixed_at_apply, "capturing", lambda: False)
     assert_matches_eager(m, x)
     assert launches, "outside the capture the value is recomputed and the fused forward runs"
 

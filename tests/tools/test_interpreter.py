@@ -120,9 +120,28 @@ CHECK_WITH_TRITON_COMPILED = """\
     import os, sys
     import triton  # compiled: its own @jit helpers (tl.sum) cannot run in an interpreted kernel
     os.environ["TRITON_INTERPRET"] = "1"
+    import fuser.pipeline.fuse_module
     import fuser.tools.cli as cli
     cli.interpreter_problem = lambda: None  # do not refuse up front: see what check makes of it
+    fuser.pipeline.fuse_module.interpreter_problem = lambda: None
     sys.exit(cli.main(sys.argv[1:]))
+"""
+
+APPLY_WITH_TRITON_COMPILED = """\
+    import os, sys, warnings
+    import triton  # compiled
+    os.environ["TRITON_INTERPRET"] = "1"  # too late
+    warnings.simplefilter("ignore")
+    import torch, fuser
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))
+    from norm import norm
+    module, inputs = norm()
+    try:
+        fuser.apply(module, inputs)
+    except fuser.FuserError as e:
+        print(e)
+        sys.exit(0 if not fuser.is_fused(module) else 1)
+    sys.exit(1)
 """
 
 
@@ -168,3 +187,11 @@ def test_check_fails_when_a_candidate_kernel_could_not_run(norm_module, tmp_path
     assert checked["ok"] is False and checked["kernels"] == 0, checked
     assert checked["kernels_not_run"] and "failed: " in checked["kernels_not_run"][0], checked
     assert checked["report"]["module"] == "Norm"
+
+
+def test_apply_refuses_when_triton_runs_compiled_on_a_machine_without_cuda(norm_module, tmp_path):
+    """The library, not only the command: a triton imported compiled is an error at apply,
+    never a model with some of its kernels silently left out."""
+    result = python(APPLY_WITH_TRITON_COMPILED, str(norm_module), FUSER_KERNEL_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "triton runs compiled here" in result.stdout and "TRITON_INTERPRET=1" in result.stdout, result.stdout
