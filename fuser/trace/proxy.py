@@ -110,6 +110,16 @@ class ShadowProxy(fx.Proxy):
     def __setitem__(self, index, value):
         self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
+    def __setattr__(self, name: str, value: Any):
+        """``forward_batch.residual_stream = x`` on a state object: a write the graph records
+        (:meth:`fuser.trace.tracer.ShadowTracer.write_state`); on any other proxy, the proxy's own
+        attribute (``node``, ``tracer``, ``shadow``)."""
+        tracer = self.__dict__.get("tracer")
+        if name not in _OWN_ATTRIBUTES and tracer is not None and self.node in tracer.state_paths:
+            tracer.write_state(self, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)  # private probes (e.g. Parameter's _is_param)
@@ -121,6 +131,8 @@ class ShadowProxy(fx.Proxy):
             return super().__getattr__(name)  # a method: an fx Attribute, called later
         return self.tracer.create_proxy("call_function", builtins.getattr, (self, name), {})
 
+
+_OWN_ATTRIBUTES = frozenset({"node", "tracer", "shadow"})
 
 _COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
 

@@ -2,7 +2,9 @@
 records each op and runs it eagerly on the shadow values (:mod:`fuser.trace.proxy`), keeps
 leaves and calls given state opaque (:mod:`fuser.trace.leaves`), and while it traces patches
 process-wide hooks: ``isinstance`` in traced code sees through proxies, and a CUDA stream
-switch or a traced value assigned to a module attribute is refused.
+switch or a traced value assigned to a module attribute is refused. An attribute written on a
+state object (``forward_batch.residual_stream = x``) is a ``setattr`` node of the graph
+(:meth:`ShadowTracer.write_state`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class ShadowTracer(fx.Tracer):
         self.state_paths: dict[fx.Node, tuple[str, tuple[str, ...]]] = {}
         self.state_reads: dict[tuple, StateRead] = {}
         self._states_changed: set[str] = set()  # state given to a call that may change it
+        # (state name, attribute path) -> what the traced code wrote there: a later read sees it
+        self.state_writes: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
@@ -145,6 +149,8 @@ class ShadowTracer(fx.Tracer):
         state read in turn. Each value and tensor read is compared by the guard at every call."""
         state, path = self.state_paths[proxy.node]
         path = (*path, name)
+        if (state, path) in self.state_writes:
+            return self.state_writes[state, path]  # written earlier in this forward: the value written
         if read_as_value(value):
             self.state_reads[state, path, None] = StateRead(state, path, value)
             return value
@@ -155,6 +161,38 @@ class ShadowTracer(fx.Tracer):
         else:
             self.state_paths[read.node] = (state, path)
         return read
+
+    def write_state(self, proxy: "ShadowProxy", name: str, value: Any) -> None:
+        """``state.name = value`` in traced code: a ``setattr`` node of the graph, which the fused
+        forward performs where eager does, after the kernels that compute ``value``. What can be
+        written is what the graph can replay exactly: a value it computes (a traced tensor, or
+        anything else a node holds) or a plain value (a number, a flag, None: written as a
+        constant; where it was computed from a value read off the state, that read is guarded).
+        Later reads of the attribute in the traced code see what was written, not a state read.
+        A tensor the graph does not compute (made from Python values, or held by the module)
+        or an object made in the traced code would be the same object at every call where eager
+        writes a new one: refused, with the line."""
+        state, path = self.state_paths[proxy.node]
+        label = ".".join((state, *path, name))
+        if not isinstance(value, ShadowProxy) and not read_as_value(value):
+            if isinstance(value, torch.Tensor):
+                what = "a tensor the graph does not compute (made from Python values, or held by the module)"
+            elif any(isinstance(v, fx.Proxy) for v in _values_within(value)):
+                what = f"a {type(value).__name__} holding traced values (made in the traced code)"
+            else:
+                what = f"a {type(value).__name__} made in the traced code (eager writes a new one at every call)"
+            raise refuse(
+                f"writing {what} to `{label}`; the fused graph can replay a write of a value it computes or a plain value only",
+                "Write a tensor the forward computes or a plain value, or move this code into an opaque leaf (@fuser.opaque).",
+            )
+        node = self.create_node("call_function", builtins.setattr, (proxy.node, name, self.create_arg(value)), {})
+        node.meta[LEAF] = True  # an effect: kept where it is, never fused
+        self.shadows[node.name] = (None, None)
+        # The shadow state (a copy of the example's) holds the value at T, for the leaves after.
+        target = proxy.shadow[0]
+        setattr(target, name, value.shadow[0] if isinstance(value, ShadowProxy) else value)
+        self.state_writes[state, (*path, name)] = value
+        self._states_changed.add(state)
 
     def note(self, leaf: AutomaticLeaf) -> None:
         """Record a call kept opaque by itself (once per callee and line)."""
@@ -192,7 +230,9 @@ class ShadowTracer(fx.Tracer):
             if target is not builtins.getattr:
                 what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
                 self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
+            before = self._state_attributes(args, kwargs)
             at_t = self._eager(kind, target, args, kwargs, 0)
+            self._refuse_rebinding(before, kind, target)
             shadow = (at_t, _grown_like(at_t, args, kwargs))
         else:
             shadow = tuple(self._eager(kind, target, args, kwargs, i) for i in (0, 1))
@@ -221,6 +261,35 @@ class ShadowTracer(fx.Tracer):
         read = StateRead(state, (*path, target), value, call=(tuple(args[1:]), dict(kwargs)))
         self.state_reads[state, read.path, repr(read.call)] = read
         return value
+
+    def _state_attributes(self, args, kwargs) -> list[tuple[Any, str, dict[str, Any]]]:
+        """(object, label, its attributes) of each state object a call is given."""
+        found = []
+
+        def note(a):
+            if _is_state_proxy(a, self.state_paths) and "shadow" in a.__dict__:
+                state, path = self.state_paths[a.node]
+                found.append((a.shadow[0], ".".join((state, *path)), _attributes(a.shadow[0])))
+
+        map_aggregate((args, kwargs), note)
+        return found
+
+    def _refuse_rebinding(self, before, kind, target) -> None:
+        """A leaf given a state object rebinds one of its attributes (``forward_batch.x = ...``
+        inside it): the graph runs the leaf as one call, so a read of that attribute in the
+        traced code would see the trace's value, not the call's. Refused, with the line."""
+        if target is builtins.getattr:
+            return
+        for obj, label, then in before:
+            now = _attributes(obj)
+            rebound = sorted(n for n in set(then) | set(now) if then.get(n, _MISSING) is not now.get(n, _MISSING))
+            if rebound:
+                what = f"{label}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
+                raise refuse(
+                    f"`{what}`, a call the graph keeps as one (a leaf), writes `{label}.{rebound[0]}`; "
+                    "the fused graph cannot replay a write of state inside a leaf",
+                    "Make the write in the traced code, or make the module holding this call an opaque leaf (@fuser.opaque).",
+                )
 
     def _state_taken(self, args, kwargs) -> str | None:
         """The name of the state placeholder among a call's arguments, if any."""
@@ -374,6 +443,35 @@ class _refuse_module_rebinding:
 
 
 _NOT_A_QUERY = object()
+_MISSING = object()  # an attribute an object does not have
+
+
+def _attributes(obj) -> dict[str, Any]:
+    """Attribute name -> its value, for an object's ``__dict__`` and ``__slots__`` (the values
+    themselves, held: an id alone could be a freed value's, reused)."""
+    found = dict(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if isinstance(name, str) and name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                found[name] = getattr(obj, name)
+    return found
+
+
+def _values_within(value, depth: int = 3):
+    """``value`` and what it holds, ``depth`` levels into its lists, tuples, dicts and attributes."""
+    yield value
+    if depth == 0 or isinstance(value, (fx.Proxy, torch.Tensor)):
+        return
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        items = list(getattr(value, "__dict__", {}).values())
+        items += [getattr(value, n) for c in type(value).__mro__ for n in getattr(c, "__slots__", ())
+                  if isinstance(n, str) and n not in ("__dict__", "__weakref__") and hasattr(value, n)]
+    for item in items:
+        yield from _values_within(item, depth - 1)
 
 
 def _is_getter(method) -> bool:
