@@ -18,6 +18,7 @@ class FusedChain:
     outputs: list[str]
     launches_replaced: int
     path: str = ""  # where the kernel file is (the kernel directory emit chose)
+    where: str = ""  # the submodule and source line of its first output (fuser.trace.refusal.source_of)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Unfused:
     op: str
     reason: str
     launches: int
+    where: str = ""  # its submodule and source line
 
 
 @dataclass
@@ -73,17 +75,21 @@ class Report:
         if self.disabled_passes:
             lines.append(f"passes switched off (disable_passes, FUSER_DISABLE_PASSES): {', '.join(self.disabled_passes)}")
         lines += ["", f"fused chains ({len(self.chains)}):"]
+        pattern_w = max([len(c.pattern) for c in self.chains] + [8])
+        template_w = max([len(c.template) for c in self.chains] + [8])
         for c in self.chains:
             params = ", ".join(f"{k}={v!r}" for k, v in sorted(c.params.items()))
             lines.append(
-                f"  {c.pattern:<22} {c.template:<11} {c.launches_replaced:>4} launches -> 1   "
+                f"  {c.pattern:<{pattern_w}} {c.template:<{template_w}} {c.launches_replaced:>4} launches -> 1   "
                 f"{c.outputs[0] if c.outputs else ''}{' ...' if len(c.outputs) > 1 else ''}"
                 + (f"   [{params}]" if params else "")
             )
-            lines.append(f"  {'':<22} {_shown(c.path) if c.path else f'kernels/{c.kernel}.py'}  ({len(c.nodes)} nodes)")
+            kernel = _shown(c.path) if c.path else f"kernels/{c.kernel}.py"
+            lines.append(f"  {'':<{pattern_w}} {kernel}  ({len(c.nodes)} nodes)" + (f"  at {c.where}" if c.where else ""))
         lines += ["", f"rejected candidates ({len(self.rejected)}):"]
+        rejected_w = max([len(r.pattern) for r in self.rejected] + [8])
         for r in self.rejected:
-            lines.append(f"  {r.pattern:<22} at {r.anchor}: [{r.category}] {r.reason}")
+            lines.append(f"  {r.pattern:<{rejected_w}} at {r.anchor}: [{r.category}] {r.reason}")
         if self.automatic_leaves:
             lines += ["", f"leaves (automatic: code the trace cannot go into, and calls into compiled code; they run as they are) ({len(self.automatic_leaves)}):"]
             for leaf in self.automatic_leaves:
@@ -104,8 +110,10 @@ class Report:
             lines += ["", f"read off the call's state as traced (a call where one differs runs eager): {values}"]
         launches = sum(u.launches for u in self.unfused)
         lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
+        node_w = max([len(u.node) for u in self.unfused] + [8])
+        op_w = max([len(u.op) for u in self.unfused] + [8])
         for u in self.unfused:
-            lines.append(f"  {u.node:<28} {u.op:<22} {u.reason}")
+            lines.append(f"  {u.node:<{node_w}} {u.op:<{op_w}} {u.reason}" + (f"  (at {u.where})" if u.where else ""))
         return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from fuser.match.pattern_files import load_patterns
 from fuser.pipeline.pass_list import Fusing, run_pass_list, switched_off
 from fuser.regions.builder import fusible
 from fuser.trace.call_spec import CallSpec
+from fuser.trace.refusal import source_of
 from fuser.trace.tracing import Traced, batch_dims_of, preserved_state
 
 
@@ -190,6 +191,7 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
                 inputs=[n.name for n in r.inputs],
                 outputs=[n.name for n in r.outputs],
                 launches_replaced=sum(eager_launches(cops[n]) for n in r.covered),
+                where=source_of(r.outputs[0]) if r.outputs else "",
             )
         )
     for node in glue:
@@ -202,7 +204,7 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
         reason = failed.get(node) or _reason(node, cops, covered)
         if _token_free(traced, node) and cop.kind != MUTATION:
             reason = "depends only on parameters, but is not computed from them alone here; " + reason
-        report.unfused.append(Unfused(node.name, cop.op, reason, launches))
+        report.unfused.append(Unfused(node.name, cop.op, reason, launches, source_of(node)))
     report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
     report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
     return report

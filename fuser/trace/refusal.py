@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import traceback
 
@@ -57,6 +58,29 @@ def user_stacklevel() -> int:
     while frame is not None and is_library_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def source_of(node: fx.Node) -> str:
+    """Where a traced node comes from, as a person finds it: the submodule that computed it
+    and the user's line (``self_attn.q_norm (transformers/models/qwen3/modeling_qwen3.py:58)``);
+    "" when the trace kept neither."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else ""
+    frames = _FRAME.findall(node.stack_trace or "")
+    user = next(((f, line) for f, line in reversed(frames) if not is_library_file(f)), None)
+    where = f"{_short(user[0])}:{user[1]}" if user else ""
+    return f"{module} ({where})" if module and where else module or where
+
+
+def _short(path: str) -> str:
+    """A file's path from its package (``transformers/models/...``) or from the working directory."""
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def calling_line() -> str:

@@ -160,6 +160,7 @@ def trace(
             leaf_functions=functions + [a.function for a in automatic if a.function is not None],
             counters=counters,
         )
+        tracer.record_stack_traces = True  # each node's source line, for the report (refusal.source_of)
         # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
         # one trace at a time, so concurrent apply() calls never see each other's patches.
         try:
