@@ -86,6 +86,8 @@ class ShadowTracer(fx.Tracer):
         self._states_changed: set[str] = set()  # state given to a call that may change it
         # (state name, attribute path) -> what the traced code wrote there: a later read sees it
         self.state_writes: dict[tuple[str, tuple[str, ...]], Any] = {}
+        # (state name, attribute path) -> the leaf call (and its line) that rebound it
+        self._rebound_by_leaves: dict[tuple[str, tuple[str, ...]], str] = {}
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
@@ -149,6 +151,12 @@ class ShadowTracer(fx.Tracer):
         state read in turn. Each value and tensor read is compared by the guard at every call."""
         state, path = self.state_paths[proxy.node]
         path = (*path, name)
+        if (state, path) in self._rebound_by_leaves:
+            raise refuse(
+                f"`{'.'.join((state, *path))}` is read after {self._rebound_by_leaves[state, path]}, a call the graph keeps "
+                "as one (a leaf), rebinds it: the fused graph cannot replay a write of state inside a leaf",
+                "Make the write in the traced code, or make the code reading it part of the leaf (@fuser.opaque).",
+            )
         if (state, path) in self.state_writes:
             return self.state_writes[state, path]  # written earlier in this forward: the value written
         if read_as_value(value):
@@ -232,7 +240,7 @@ class ShadowTracer(fx.Tracer):
                 self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
             before = self._state_attributes(args, kwargs)
             at_t = self._eager(kind, target, args, kwargs, 0)
-            self._refuse_rebinding(before, kind, target)
+            self._note_rebinding(before, kind, target)
             shadow = (at_t, _grown_like(at_t, args, kwargs))
         else:
             shadow = tuple(self._eager(kind, target, args, kwargs, i) for i in (0, 1))
@@ -274,22 +282,20 @@ class ShadowTracer(fx.Tracer):
         map_aggregate((args, kwargs), note)
         return found
 
-    def _refuse_rebinding(self, before, kind, target) -> None:
-        """A leaf given a state object rebinds one of its attributes (``forward_batch.x = ...``
-        inside it): the graph runs the leaf as one call, so a read of that attribute in the
-        traced code would see the trace's value, not the call's. Refused, with the line."""
+    def _note_rebinding(self, before, kind, target) -> None:
+        """A leaf given a state object rebinds one of its attributes (``cache.steps += 1``
+        inside it): at run time the leaf does so itself, but a later read of that attribute in
+        the traced code would take the trace's value, not the call's; :meth:`read_state`
+        refuses one, with the leaf's line."""
         if target is builtins.getattr:
             return
         for obj, label, then in before:
             now = _attributes(obj)
-            rebound = sorted(n for n in set(then) | set(now) if then.get(n, _MISSING) is not now.get(n, _MISSING))
-            if rebound:
-                what = f"{label}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
-                raise refuse(
-                    f"`{what}`, a call the graph keeps as one (a leaf), writes `{label}.{rebound[0]}`; "
-                    "the fused graph cannot replay a write of state inside a leaf",
-                    "Make the write in the traced code, or make the module holding this call an opaque leaf (@fuser.opaque).",
-                )
+            what = f"{label}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
+            state, path = label.split(".")[0], tuple(label.split(".")[1:])
+            for name in set(then) | set(now):
+                if then.get(name, _MISSING) is not now.get(name, _MISSING):
+                    self._rebound_by_leaves.setdefault((state, (*path, name)), f"`{what}` ({calling_line()})")
 
     def _state_taken(self, args, kwargs) -> str | None:
         """The name of the state placeholder among a call's arguments, if any."""
