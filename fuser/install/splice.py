@@ -153,10 +153,6 @@ class FuserState:
             return "parameters changed inside a CUDA-graph capture", True
         return None, False
 
-    def current(self, module: torch.nn.Module) -> bool:
-        """Does what the fused graph fixed at apply time still hold?"""
-        return self.stale(module)[0] is None
-
 
 def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callable:
     if state is not None and state.original_forward is not None:
