@@ -1,10 +1,10 @@
 """shadow_tracer: :class:`ShadowTracer`, the fx tracer behind :func:`fuser.trace.tracing.trace`. It
 records each op and runs it eagerly on the shadow values (:mod:`fuser.trace.proxy`), keeps
 leaves and calls given state opaque (:mod:`fuser.trace.leaves`), and while it traces patches
-process-wide hooks: ``isinstance`` in traced code sees through proxies, and a CUDA stream
-switch or a traced value assigned to a module attribute is refused. An attribute written on a
-state object (``forward_batch.residual_stream = x``) is a ``setattr`` node of the graph
-(:meth:`ShadowTracer.write_state`).
+process-wide hooks (:mod:`fuser.trace.patches`): ``isinstance`` in traced code sees through
+proxies, and a CUDA stream switch or a traced value assigned to a module attribute is refused.
+An attribute written on a state object (``forward_batch.residual_stream = x``) is a ``setattr``
+node of the graph (:meth:`ShadowTracer.write_state`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import builtins
 import copy
 import dataclasses
-import sys
-import threading
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -32,7 +30,8 @@ from fuser.trace.leaves import (
 from fuser.ir.opaque import is_opaque
 from fuser.trace.proxy import ShadowProxy
 from fuser.trace.call_spec import CallSpec, StateRead, read_as_value
-from fuser.trace.refusal import calling_line, error_location, is_library_file, refuse
+from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches, shadow_isinstance
+from fuser.trace.refusal import calling_line, error_location, refuse
 
 # Module types kept opaque whatever the user says: the heavy ops of a decode layer.
 DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
@@ -342,110 +341,11 @@ class ShadowTracer(fx.Tracer):
         with (
             patched_leaf_functions(self.leaf_functions, compiled_functions()),
             kernel_launches_as_leaves(),
-            _refuse_stream_switches(self),
-            _refuse_module_rebinding(),
-            _shadow_isinstance(),
+            refuse_stream_switches(self),
+            refuse_module_rebinding(),
+            shadow_isinstance(),
         ):
             return self.trace(root)
-
-
-class _refuse_stream_switches:
-    """While tracing, a CUDA stream switch in traced code raises instead of running.
-
-    The fused forward is one sequence of calls on the caller's stream: a fork onto another
-    stream, or a wait between streams, would be run once here and lost from the graph. Leaves
-    keep them: a leaf runs its own code at run time, and while tracing it runs eagerly (for the
-    shadow values) with the tracer's eager depth set, which lets these calls through. Only
-    calls from user code on the tracing thread are refused.
-    """
-
-    # (owner, attribute, what the message calls it)
-    TARGETS = (
-        (torch.cuda.StreamContext, "__enter__", "torch.cuda.stream(...)"),
-        (torch.cuda, "set_stream", "torch.cuda.set_stream"),
-        (torch.cuda.Stream, "wait_stream", "Stream.wait_stream"),
-        (torch.cuda.Stream, "wait_event", "Stream.wait_event"),
-        (torch.cuda.Stream, "record_event", "Stream.record_event"),
-        (torch.cuda.Event, "record", "Event.record"),
-        (torch.cuda.Event, "wait", "Event.wait"),
-    )
-
-    def __init__(self, tracer: ShadowTracer):
-        self.tracer = tracer
-
-    def __enter__(self):
-        self._patched = []
-        tracer, thread = self.tracer, threading.get_ident()
-        for owner, name, what in self.TARGETS:
-            original = vars(owner).get(name)
-            if original is None:
-                continue
-
-            def guarded(*args, __original=original, __what=what, **kwargs):
-                caller = sys._getframe(1).f_code.co_filename
-                if threading.get_ident() == thread and not tracer._eager_depth and not is_library_file(caller):
-                    raise refuse(
-                        f"a CUDA stream switch ({__what}) in traced code; the fused graph runs on one stream",
-                        "Put the side-stream region (the fork, the work on the other stream and the join) "
-                        "in an opaque leaf (@fuser.opaque).",
-                    )
-                return __original(*args, **kwargs)
-
-            setattr(owner, name, guarded)
-            self._patched.append((owner, name, original))
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, original in self._patched:
-            setattr(owner, name, original)
-        return False
-
-
-class _shadow_isinstance:
-    """While tracing, ``isinstance(proxy, T)`` in the traced code answers for the traced value.
-
-    Only calls from outside torch, triton and fuser see through proxies; library code keeps
-    the real answer (torch's C++ argument parser must never take a proxy for a tensor).
-    """
-
-    def __enter__(self):
-        self.original = original = builtins.isinstance
-
-        def shadow_isinstance(obj, classes):
-            if type(obj) is ShadowProxy and "shadow" in obj.__dict__:
-                caller = sys._getframe(1).f_code.co_filename
-                if not is_library_file(caller):
-                    return original(obj.shadow[0], classes)
-            return original(obj, classes)
-
-        builtins.isinstance = shadow_isinstance
-        return self
-
-    def __exit__(self, *exc):
-        builtins.isinstance = self.original
-        return False
-
-
-class _refuse_module_rebinding:
-    """While tracing, ``self.attr = <traced value>`` raises: the graph cannot rebind state."""
-
-    def __enter__(self):
-        self.original = original = torch.nn.Module.__setattr__
-
-        def guarded(module, name, value):
-            if isinstance(value, fx.Proxy):
-                raise refuse(
-                    f"assigning a traced value to module attribute {name!r} (the fused graph cannot rebind module state)",
-                    f"Write it in place (self.{name}.copy_(...)), or make this module an opaque leaf (@fuser.opaque).",
-                )
-            original(module, name, value)
-
-        torch.nn.Module.__setattr__ = guarded
-        return self
-
-    def __exit__(self, *exc):
-        torch.nn.Module.__setattr__ = self.original
-        return False
 
 
 _NOT_A_QUERY = object()
