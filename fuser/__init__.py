@@ -35,7 +35,8 @@ from fuser.install.splice import call_counts as stats
 from fuser.install.splice import is_fused
 from fuser.ir.opaque import is_opaque, opaque
 from fuser.ir.report import Report
-from fuser.model.fuse_model import ModelReport, restore
+from fuser.model.fuse_model import ModelReport
+from fuser.model.lazy_model import restore
 from fuser.pattern import Param, PatternError, tensor
 from fuser.trace.refusal import TraceRefused
 

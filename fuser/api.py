@@ -10,11 +10,15 @@ pipeline).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from fuser.model.fuse_model import apply_model, restore as restore_model
+from fuser.install.splice import is_fused
+from fuser.model.fuse_model import MODEL_ATTR, apply_model, layer_stacks, restore as restore_model
+from fuser.model.cuda_graphs import wrap as wrap_in_cuda_graphs
+from fuser.model.lazy_model import apply_lazily
 from fuser.pipeline.fuse_module import FuserError, apply_plan, plan, tensors_of
 from fuser.pipeline.pass_list import UnknownPass, switched_off
 from fuser.ir.report import Report
@@ -25,8 +29,13 @@ from fuser.trace.tracing import preserved_state
 from fuser.validate.against_eager import unordered_outputs
 
 
-def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
+def apply(module: torch.nn.Module, example_inputs=None, **options) -> Report:
     """Fuse ``module``'s glue in place. On any error the module is left exactly as it was.
+
+    With no example call, a model with a stack of repeated decoder layers (a transformers
+    CausalLM) is fused at its first decode call — one new token per sequence, as
+    ``model.generate`` makes after the prompt — with that call as the example
+    (:mod:`fuser.model.lazy_model`); the report returned is filled in then.
 
     The example call is ``module(*example_inputs, **example_kwargs)`` (``example_kwargs=`` among
     the options): its tensors, nested in tuples, lists and dicts too, are the fused forward's
@@ -60,13 +69,36 @@ def apply(module: torch.nn.Module, example_inputs, **options) -> Report:
     ``copy.deepcopy`` gives a copy fused against its own parameters; pickling (``torch.save``)
     gives the eager module.
 
+    ``cuda_graphs=True`` (a model of decoder layers) replays its decode steps with a static
+    cache from CUDA graphs, one per batch size (:mod:`fuser.model.cuda_graphs`).
+
     ``disable_passes=("merge", ...)`` (or ``FUSER_DISABLE_PASSES=merge,...``) switches passes
     of :data:`fuser.pipeline.pass_list.PASS_LIST` off by name, to bisect a wrong result to one;
     ``report.disabled_passes`` names them.
     """
     _check_pass_names(options)
-    layered = apply_model(module, example_inputs, **options)
-    return layered if layered is not None else apply_plan(module, example_inputs, **options).report
+    graphs = options.pop("cuda_graphs", False)
+    if graphs and not torch.cuda.is_available():
+        warnings.warn("fuser: cuda_graphs=True on a machine without CUDA: nothing is captured", stacklevel=2)
+    if example_inputs is None and "example_kwargs" not in options:
+        return _apply_lazily(module, dict(options, cuda_graphs=graphs))
+    layered = apply_model(module, example_inputs or (), **options)
+    if graphs and layered is None:
+        raise FuserError(f"cuda_graphs=True: {type(module).__name__} is no model of decoder layers (its decode steps are what is captured)")
+    if graphs:
+        wrap_in_cuda_graphs(module)
+    return layered if layered is not None else apply_plan(module, example_inputs or (), **options).report
+
+
+def _apply_lazily(module: torch.nn.Module, options: dict) -> Report:
+    if not layer_stacks(module):
+        raise FuserError(
+            f"{type(module).__name__} has no stack of repeated layers to fuse at its first decode call: "
+            "pass an example call, fuser.apply(module, example_inputs, example_kwargs=...)"
+        )
+    if MODEL_ATTR in module.__dict__ or any(is_fused(m) for m in module.modules()):
+        raise FuserError(f"{type(module).__name__} is already fused; call fuser.restore() first")
+    return apply_lazily(module, **options)
 
 
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:

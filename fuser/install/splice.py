@@ -7,7 +7,9 @@ so nothing is copied and ``state_dict`` is unchanged. ``module.forward`` becomes
 (dtypes, devices, non-token sizes, at least one token, no autograd, the user's own predicate,
 the module's captured scalar attributes unchanged) on the module as it was fused (each
 parameter's and buffer's dtype and device, each submodule's ``training`` flag:
-:class:`ModuleSnapshot`), and the original forward otherwise. In Triton's CPU interpreter
+:class:`ModuleSnapshot`), and the original forward otherwise. Under Dynamo (``torch.compile``
+of the module or of a model around it) it runs the original forward: Dynamo compiles the
+module's own code and never meets the generated kernels. In Triton's CPU interpreter
 fused forwards run one at a time (the interpreter patches triton.language around each launch).
 
 Glue computed from parameters alone (a weight's cast) is computed once at apply time and held
@@ -115,13 +117,26 @@ class CallCounts:
 
     def decline(self, module: torch.nn.Module, reason: str, warn: bool) -> None:
         self.declined[reason] = self.declined.get(reason, 0) + 1
-        if warn and not self.warned:
+        if warn and not self.warned and not declines_expected():
             self.warned = True
             warnings.warn(
                 f"fuser: {type(module).__name__} runs its own forward, not the fused one: {reason} "
                 "(fuser.stats counts every call; later ones do not warn)",
                 stacklevel=user_stacklevel(),
             )
+
+
+_EXPECTED = threading.local()
+
+
+def expect_declines(on: bool) -> None:
+    """Within a call fuser runs eager by design (a lazily fused model's prefill:
+    :mod:`fuser.model.lazy_model`), declines are counted but do not warn; nested calls nest."""
+    _EXPECTED.depth = getattr(_EXPECTED, "depth", 0) + (1 if on else -1)
+
+
+def declines_expected() -> bool:
+    return getattr(_EXPECTED, "depth", 0) > 0
 
 
 USER_GUARD = "the user guard declined"
@@ -186,6 +201,8 @@ class GuardedForward:
     def __call__(self, *args, **kwargs):
         module = self.module
         state = module.__dict__.get(STATE_ATTR)
+        if torch.compiler.is_compiling():  # Dynamo compiles the module's own code (docstring)
+            return _eager_forward(module, state)(*args, **kwargs)
         if state is not None:
             traced_args, why = state.guard.check(args, kwargs)  # every tensor of the call, or None
             warned = why == USER_GUARD  # the user's own predicate: not news to them

@@ -52,13 +52,15 @@ def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     ]  # fmt: skip
 
 
-def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options) -> ModelReport | None:
+def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: ModelReport | None = None,
+                **options) -> ModelReport | None:
     """Fuse ``model`` layer by layer (see the module's docstring); None when it has no stack
-    of repeated layers, each called once per forward with hidden states in and out."""
+    of repeated layers, each called once per forward with hidden states in and out. ``report``:
+    the one to fill in (a lazily fused model's, :mod:`fuser.model.lazy_model`)."""
     stacks = layer_stacks(model)
     if not stacks:
         return None
-    if MODEL_ATTR in model.__dict__:
+    if model.__dict__.get(MODEL_ATTR, report) is not report:
         raise FuserError(f"{type(model).__name__} is already fused; call fuser.restore() first")
     options.pop("batch_inputs", None)  # the model's; each layer's follow the batch of its hidden states
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
@@ -71,7 +73,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, **options
         return None  # a list of experts or the like, not a stack of layers: the module is fused whole
     if any(is_fused(m) for m in model.modules()):
         raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
-    report = ModelReport(type(model).__name__)
+    report = report if report is not None else ModelReport(type(model).__name__)
     fused: list[nn.Module] = []
     progress = Progress(type(model).__name__, len(layers))
     try:

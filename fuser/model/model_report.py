@@ -32,6 +32,7 @@ class ModelReport:
     groups: list[LayerGroup] = field(default_factory=list)
     others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report
     skipped: dict[str, str] = field(default_factory=dict)  # other submodules not fused: name -> why
+    pending: str | None = None  # fused lazily (fuser.model.lazy_model): why nothing is fused yet
 
     @property
     def launches_before(self) -> int:
@@ -61,6 +62,8 @@ class ModelReport:
 
     def text(self) -> str:
         lines = [f"fuser report for {self.model} (layer by layer)", ""]
+        if self.pending:
+            return "\n".join([*lines, f"nothing fused: {self.pending}"])
         lines.append(f"glue kernel launches per forward: {self.launches_before} eager -> {self.launches_after} fused")
         for i, g in enumerate(self.groups):
             head = f"layer structure {i}: {len(g.layers)} layers ({g.layers[0]} ...)"

@@ -30,7 +30,7 @@ def causal_lm(model: str, layers: int = 3, **overrides):
         cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
     if "moe" not in model and "deepseek" not in model:
         cfg._experts_implementation = None  # a dense model takes no experts implementation
-    spec = zoo.MODELS[model]
+    spec = zoo.MODELS.get(model) or zoo.UNSEEN[model]
     module = __import__(f"transformers.models.{spec['module']}", fromlist=["_"])
     torch.manual_seed(0)
     return getattr(module, spec["prefix"] + "ForCausalLM")(cfg).eval()

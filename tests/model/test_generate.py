@@ -1,0 +1,229 @@
+"""``fuser.apply(model)`` with no example call, then ``model.generate()``: transformers CausalLMs
+at tiny dims in fp32 (so that greedy tokens compare exactly), with generate's dynamic cache and
+a static one, batch 1 and batch 2 with left padding. The model fuses itself at its first decode
+step (fuser.model.lazy_model); a second generate then takes the fused path at every decode step
+of every layer, and gives eager's tokens."""
+
+import copy
+import gc
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import fuser
+from fuser.model import cuda_graphs
+from fuser.model.lazy_model import LAZY_ATTR
+from tests.model.test_model import causal_lm
+
+PROMPT, NEW = 5, 4
+
+
+def prompt(batch: int):
+    """Token ids and their attention mask; with batch > 1 the first sequence is left-padded."""
+    ids = torch.randint(1, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[0, :2] = 0
+    return ids, mask
+
+
+def generate(model, ids, mask, cache: str):
+    """Greedy, with transformers' own compile of a static-cache step off (on a GPU it would
+    compile the eager reference too)."""
+    kwargs = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0, **kwargs)  # fmt: skip
+
+
+def layer_calls(model) -> dict[str, dict]:
+    return {name: counts for name, counts in fuser.stats(model).items() if ".layers." in name}
+
+
+def fuser_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("fuser")]
+
+
+CASES = [
+    ("qwen3", "dynamic", 1),
+    ("qwen3", "static", 2),
+    ("llama", "static", 2),
+    ("gemma2", "dynamic", 1),  # sliding-window layers, logit soft-capping
+    ("gemma2", "static", 2),
+    ("qwen3_moe", "dynamic", 1),
+    ("deepseek_v4", "static", 2),
+]
+
+
+@pytest.mark.parametrize("name,cache,batch", CASES, ids=[f"{n}-{c}-batch{b}" for n, c, b in CASES])
+def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
+    model = causal_lm(name, layers=2)
+    ids, mask = prompt(batch)
+    eager = generate(model, ids, mask, cache)
+
+    report = fuser.apply(model)
+    assert report.pending and not fuser.stats(model), "nothing is fused before the first decode call"
+    first = generate(model, ids, mask, cache)  # fuses at its first decode step
+    assert report.pending is None, report.text()
+    assert all(group.report is not None for group in report.groups), report.text()
+    assert torch.equal(first, eager)
+
+    before = layer_calls(model)
+    assert len(before) == 2, before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = generate(model, ids, mask, cache)
+    assert torch.equal(again, eager)
+    after = layer_calls(model)
+    for layer, counts in after.items():
+        # every decode step fused; the prefill (PROMPT tokens per sequence) declined, counted
+        assert counts["fused"] - before[layer]["fused"] == NEW - 1, (layer, before[layer], counts)
+        declined = {r: n - before[layer]["declined"].get(r, 0) for r, n in counts["declined"].items()}
+        assert sum(declined.values()) == 1 and f" is {PROMPT}, traced with 1" in next(r for r, n in declined.items() if n), declined
+    assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
+
+
+GROWING_MASK = [("llama", 2), ("deepseek_v4", 1)]  # sdpa with left padding; eager attention
+
+
+@pytest.mark.parametrize("name,batch", GROWING_MASK, ids=[f"{n}-batch{b}" for n, b in GROWING_MASK])
+def test_a_dynamic_cache_with_a_mask_grows_it_and_each_decline_is_counted(name, batch):
+    """A dynamic cache with a 4-D mask (left padding under sdpa; always under eager attention):
+    the mask grows by a key each step, a size the fused layer holds, so the decode steps after
+    the one it was fused on run eager — counted by reason, warned once — with eager's tokens."""
+    model = causal_lm(name, layers=2)
+    ids, mask = prompt(batch)
+    eager = generate(model, ids, mask, "dynamic")
+    fuser.apply(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = generate(model, ids, mask, "dynamic")  # fused on its first decode step
+        before = layer_calls(model)["model.layers.0"]
+        again = generate(model, ids, mask, "dynamic")
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+    after = layer_calls(model)["model.layers.0"]
+    # of the decode steps, only the one at the length the layer was fused at takes the fused path
+    assert after["fused"] - before["fused"] <= 1, (before, after)
+    grown = {r: n - before["declined"].get(r, 0) for r, n in after["declined"].items() if r.startswith("attention_mask dim 3 is ")}
+    assert sum(grown.values()) >= NEW - 2, (before, after)
+    assert any("DecoderLayer runs its own forward" in w for w in fuser_warnings(caught)), fuser_warnings(caught)
+
+
+def test_a_model_that_cannot_be_fused_runs_eager_with_one_warning(monkeypatch):
+    import fuser.model.fuse_model as fuse_model
+
+    def fails(*args, **kwargs):
+        raise fuser.FuserError("nothing to fuse here")
+
+    monkeypatch.setattr(fuse_model, "apply_model", fails)
+    model = causal_lm("qwen3", layers=2)
+    ids, mask = prompt(1)
+    eager = generate(model, ids, mask, "dynamic")
+    report = fuser.apply(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = generate(model, ids, mask, "dynamic")
+        generate(model, ids, mask, "dynamic")
+    assert torch.equal(got, eager)
+    assert fuser_warnings(caught) == ["fuser: Qwen3ForCausalLM runs eager: FuserError: nothing to fuse here"]
+    assert report.pending == "left eager: FuserError: nothing to fuse here"
+    assert "nothing fused: left eager" in report.text()
+
+
+def test_restore_takes_the_hooks_off_and_puts_transformers_compile_setting_back():
+    model = causal_lm("qwen3", layers=2)
+    hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
+    setting = model.generation_config.disable_compile
+    assert not setting
+    fuser.apply(model)
+    assert model.generation_config.disable_compile is True, "generate's own compile would bypass the kernels"
+    with pytest.raises(fuser.FuserError, match="already fused"):
+        fuser.apply(model)
+    fuser.restore(model)
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
+    assert LAZY_ATTR not in model.__dict__ and model.generation_config.disable_compile is setting
+
+
+def test_a_copy_fuses_itself_and_a_pickle_is_the_eager_model():
+    model = causal_lm("qwen3", layers=2)
+    ids, mask = prompt(1)
+    eager = generate(model, ids, mask, "dynamic")
+    fuser.apply(model)
+    twin = copy.deepcopy(model)
+    assert torch.equal(generate(twin, ids, mask, "dynamic"), eager)
+    assert layer_calls(twin) and not layer_calls(model), "the copy fused itself, not the original"
+    plain = pickle.loads(pickle.dumps(model))
+    assert not plain._forward_pre_hooks and LAZY_ATTR not in plain.__dict__
+
+
+def test_apply_with_no_example_needs_a_stack_of_layers():
+    with pytest.raises(fuser.FuserError, match="no stack of repeated layers"):
+        fuser.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_a_fused_model_runs_under_torch_compile():
+    """Under Dynamo a fused module runs its own code (fuser.install.splice): the model compiles
+    and gives eager's logits."""
+    model = causal_lm("qwen3", layers=2)
+    ids = torch.randint(1, 128, (2, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+    fuser.apply(model, (), example_kwargs=dict(input_ids=ids, use_cache=False))
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, 1, model.config.hidden_size)
+    position = model.model.rotary_emb(hidden, torch.zeros(2, 1, dtype=torch.long))
+    with torch.no_grad():
+        layer_expected = type(layer).forward(layer, hidden, position_embeddings=position)
+        for backend in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=backend)
+            assert torch.allclose(compiled(input_ids=ids, use_cache=False).logits, expected, atol=1e-5), backend
+            got = torch.compile(layer, backend=backend)(hidden, position_embeddings=position)
+            assert torch.allclose(got, layer_expected, atol=1e-5), backend
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_cuda_graphs_replay_the_decode_steps_of_generate(name):
+    """``cuda_graphs=True``: after the decode step that fuses and one that runs on the capture
+    stream, each decode step of a static cache is replayed from a graph per batch size and
+    cache; the next generate replays from its first decode step where it reuses the cache, and
+    after one step on the capture stream where it makes a new one (the old one's graph is
+    dropped with it)."""
+    model = causal_lm(name, layers=2).cuda()
+    ids, mask = (t.cuda() for t in prompt(2))
+    eager = generate(model, ids, mask, "static")
+    fuser.apply(model, cuda_graphs=True)
+    caches = []
+    model.register_forward_pre_hook(lambda m, a, k: caches.append(id(k["past_key_values"])), with_kwargs=True)
+    first = generate(model, ids, mask, "static")
+    graphed = model.__dict__["_fuser_graphed"]
+    assert graphed.replays == NEW - 3, (graphed.replays, graphed.not_captured)  # fuse, warm up, then capture
+    again = generate(model, ids, mask, "static")
+    same_cache = caches[0] == caches[-1]
+    assert graphed.replays == NEW - 3 + (NEW - 1 if same_cache else NEW - 2), (graphed.replays, same_cache)
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+    gc.collect()
+    assert len(graphed.graphs) == (1 if same_cache else 0), "a graph goes with its cache"
+    assert not graphed.not_captured
+    fuser.restore(model)
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_leave_a_sliding_window_cache_uncaptured_and_say_so():
+    model = causal_lm("gemma2", layers=2).cuda()
+    ids, mask = (t.cuda() for t in prompt(1))
+    eager = generate(model, ids, mask, "static")
+    fuser.apply(model, cuda_graphs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = generate(model, ids, mask, "static")
+        generate(model, ids, mask, "static")
+    graphed = model.__dict__["_fuser_graphed"]
+    assert torch.equal(got, eager) and graphed.replays == 0
+    assert list(graphed.not_captured) == [cuda_graphs.NO_STATIC_CACHE], graphed.not_captured
+    assert [w for w in fuser_warnings(caught) if "without a CUDA graph" in w], fuser_warnings(caught)
