@@ -89,19 +89,30 @@ def pair_index(rank: int) -> str:
 
 
 
-def operand_names(nodes: list[fx.Node]) -> list[str]:
-    """The kernel's name for each node it reads or writes: the node's own (``residual``, so the
-    arguments read ``residual_ptr``, ``residual_stride_row``), unless another operand or the
-    frame has it."""
+def operand_names(nodes: list[fx.Node], reference_names: dict[fx.Node, str] | None = None) -> list[str]:
+    """The kernel's name for each node it reads or writes: the name a matched pattern's
+    reference gives it (``gate_up``), else the node's own (``residual``, so the arguments read
+    ``residual_ptr``, ``residual_stride_row``), unless another operand or the frame has it."""
+    reference_names = reference_names or {}
     names: list[str] = []
     for node in nodes:
-        names.append(free_name(node.name, set(names)))
+        base = reference_names.get(node, node.name)
+        names.append(free_name(base, set(names), numbered=node in reference_names))
     return names
 
 
-def free_name(base: str, taken: set[str]) -> str:
-    """``base``, or ``v_<base>``, or ``v_<base>_<n>``: the first that is free (:func:`_free`)."""
-    candidates = itertools.chain([base, f"v_{base}"], (f"v_{base}_{n}" for n in itertools.count(1)))
+def free_name(base: str, taken: set[str], numbered: bool = False) -> str:
+    """``base``, or ``v_<base>``, or ``v_<base>_<n>``: the first that is free (:func:`_free`).
+
+    ``numbered`` (a name from a pattern's reference, which one variable may give several
+    values: rmsnorm's ``xf`` before and after it is scaled, or two matches in one kernel):
+    ``base``, ``base_1``, ``base_2``, ... instead, after ``v_`` where ``base`` itself never is
+    free (a keyword, a builtin, a name of the frame)."""
+    if numbered:
+        stem = base if _free(base, set()) else f"v_{base}"
+        candidates = itertools.chain([stem], (f"{stem}_{n}" for n in itertools.count(1)))
+    else:
+        candidates = itertools.chain([base, f"v_{base}"], (f"v_{base}_{n}" for n in itertools.count(1)))
     return next(c for c in candidates if _free(c, taken))
 
 
@@ -120,3 +131,16 @@ def _free(name: str, taken: set[str]) -> bool:
     if keyword.iskeyword(name) or name in dir(builtins) or _FRAME_NAME.match(name):
         return False
     return not any(name + suffix in taken for suffix in COMPANIONS)
+
+
+def without_node_echo(lines: list[str], renamed: dict[str, str]) -> list[str]:
+    """``lines`` without the comment naming the graph node a line assigns, where the line's local
+    is the name a pattern's reference gives that node (``renamed``: node name -> local):
+    ``g = ...  # clamp`` reads ``g = ...``, as ``clamp = ...  # clamp`` would after
+    :func:`fuser.lower.tidy.without_echo`."""
+    kept = []
+    for line in lines:
+        code, _, comment = line.partition("  # ")
+        local = renamed.get(comment)
+        kept.append(code if local is not None and code.startswith(f"{local} = ") else line)
+    return kept

@@ -31,6 +31,7 @@ from fuser.canon.canonicalize import COMPUTE, UNIT_VIEW, COp
 from fuser.lower.warps import elements_per_warp, warps_for
 from fuser.lower.code import (
     COMPANIONS, EXPRESSIONS, INDEX_DTYPES, LoweringError, Segments, free_name, operand_names, rounded, shape_literal,
+    without_node_echo,
 )  # fmt: skip
 from fuser.lower import normalizations  # noqa: F401 (each family module registers its lowerings when imported)
 from fuser.lower.layout import joined, moves_unit_axes, pairs_and_parts
@@ -53,11 +54,15 @@ class Lowerer:
     by op); loads and stores are :mod:`fuser.lower.memory`, and the ops' own lowerings functions
     that take it, registered by name in their family's module (:mod:`fuser.lower.registry`)."""
 
-    def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs, in_place=()):
+    def __init__(self, traced: Traced, cops: dict[fx.Node, COp], nodes, inputs, outputs, in_place=(), names=None):
         self.traced, self.cops = traced, cops
         self.nodes, self.inputs, self.outputs = list(nodes), list(inputs), list(outputs)
         self.in_place = set(in_place)  # outputs written into a caller's buffer: stored last
+        # what a matched pattern's reference calls a node (fuser.regions.builder.Region.names):
+        # its local is called so instead of after the node
+        self.reference_names: dict[fx.Node, str] = dict(names or {})
         self.names: dict[fx.Node, str] = {}
+        self.reserved: dict[fx.Node, str] = {}  # an operand's node -> its argument's name, for its local
         self.dtypes: dict[fx.Node, torch.dtype] = {}
         self.lines: list[str] = []
         self.helpers: set[str] = set()
@@ -202,14 +207,20 @@ class Lowerer:
         return self.masks[expr]
 
     def fresh(self, node: fx.Node) -> str:
-        """A local for ``node``'s value, named after the node."""
-        self.names[node] = self.local(node.name)
+        """A local for ``node``'s value: called as its kernel argument is, if it is one; else
+        as the pattern's reference calls it, else after the node."""
+        reserved = self.reserved.pop(node, None)
+        if reserved is not None:
+            self.names[node] = reserved
+        else:
+            self.names[node] = self.local(self.reference_names.get(node, node.name), node in self.reference_names)
         return self.names[node]
 
-    def local(self, base: str) -> str:
+    def local(self, base: str, numbered: bool = False) -> str:
         """A new local called ``base`` (``add_1``), or another name (:func:`fuser.lower.code.free_name`) when that
-        one, or a companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's."""
-        name = free_name(base, self.taken)
+        one, or a companion of it (``add_1_re``, ``add_1_idx``, ...), is taken or is the frame's;
+        ``numbered``: a reference's name, ``xf_1`` after ``xf``."""
+        name = free_name(base, self.taken, numbered)
         self.taken.update(name + suffix for suffix in COMPANIONS)
         return name
 
@@ -293,7 +304,7 @@ class Lowerer:
     def lower(self, block_last: int | None = None) -> RowProgram:
         """The region's row program; a tiled one with ``block_last`` elements of the tiled axis
         a program (default: :meth:`tile_width`)."""
-        names = operand_names(self.inputs + self.outputs)
+        names = operand_names(self.inputs + self.outputs, self.reference_names)
         ins = [self._operand(n, name) for n, name in zip(self.inputs, names)]
         outs = [self._operand(n, name) for n, name in zip(self.outputs, names[len(self.inputs) :])]
         for op, node in zip(outs, self.outputs):
@@ -303,8 +314,9 @@ class Lowerer:
             # op, is the reason: the chain is fused without it, and it stays a view.)
             spread = [n for n in self.outputs if self.cops[n].op == "expand" and self.traced.batch_dims(n)]
             raise LoweringError("no input of the chain follows the tokens: nothing gives its row count", *spread[:1])
-        for op in ins + outs:  # no local may be called as a kernel argument is
-            self.taken.update([f"{op.name}_ptr", *op.stride_args])
+        for op in ins + outs:  # no local may be called as a kernel argument is, but the argument's own
+            self.taken.update([f"{op.name}_ptr", *op.stride_args, *(op.name + suffix for suffix in COMPANIONS)])
+        self.reserved = dict(zip(self.inputs + self.outputs, names))
         self.contracted = contractions(self)
         values = [
             n for n in self.nodes + self.inputs
@@ -336,7 +348,7 @@ class Lowerer:
         for target, node in unstored:
             store(self, target, node)
         masks = [f"{name} = {expr}" for expr, name in self.masks.items()]
-        self.lines = tidy(masks + self.lines)
+        self.lines = tidy(masks + without_node_echo(self.lines, self._renamed()))
         names = {self.cops[n].op for n in self.nodes}
         leading = self.tiled and self._leading
         per_warp = elements_per_warp(bool(names & ops.REDUCING), self.tiled, leading, names)
@@ -346,6 +358,10 @@ class Lowerer:
             ins, outs, self.lines, self.tiled, leading, self.last, self.block_last, warps_for(numel, per_warp),
             numel, helpers, scales, others, per_warp,
         )  # fmt: skip
+
+    def _renamed(self) -> dict[str, str]:
+        """node name -> its local, for each node whose local a pattern's reference named."""
+        return {n.name: self.names[n] for n in self.reference_names if isinstance(self.names.get(n), str)}
 
     def tile_width(self, others: int) -> int:
         """Elements of the tiled axis a program takes, when each of them comes with ``others``
@@ -363,17 +379,18 @@ class Lowerer:
         return op
 
 
-def lower_region(traced: Traced, cops, nodes, inputs, outputs, in_place=()) -> RowProgram:
+def lower_region(traced: Traced, cops, nodes, inputs, outputs, in_place=(), names=None) -> RowProgram:
     """Lower the region's nodes (in graph order) reading ``inputs`` and writing ``outputs``
-    (those in ``in_place`` into a caller's buffer)."""
+    (those in ``in_place`` into a caller's buffer); ``names``: what a matched pattern's
+    reference calls some of them (:attr:`fuser.regions.builder.Region.names`), for their locals."""
     for node in nodes:
         if cops[node].kind not in (COMPUTE, UNIT_VIEW):
             raise LoweringError(f"`{node.name}` ({cops[node].op}) is not an elementwise or reduction op")
-    program = Lowerer(traced, cops, nodes, inputs, outputs, in_place).lower()
+    program = Lowerer(traced, cops, nodes, inputs, outputs, in_place, names).lower()
     if program.tiled:
 
         def body_at(width: int) -> list[str]:
-            return Lowerer(traced, cops, nodes, inputs, outputs, in_place).lower(block_last=width).body
+            return Lowerer(traced, cops, nodes, inputs, outputs, in_place, names).lower(block_last=width).body
 
         program.widths = _launch_widths(program, body_at)
     return program

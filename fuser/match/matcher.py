@@ -39,6 +39,9 @@ class Match:
     sizes: dict[str, int]
     dtypes: dict[str, torch.dtype]
     output_names: list[str] | None = None  # the pattern's names of ``outputs``, when it names them
+    # the reference's name of each model node it names: its inputs by their parameters, a value
+    # it binds to a variable by that variable (fuser.match.reference_names), for the kernel's locals
+    names: dict[fx.Node, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -287,7 +290,7 @@ def _match_at(pattern, traced, mcops, anchor, taken, device):
         sizes, error = _sizes_from_binding(pattern, bound, traced)
         if error:
             return reject(error, "shape")
-        exact_pg = trace_pattern(pattern, sizes, dtypes, structural, device)
+        exact_pg = trace_pattern(pattern, sizes, dtypes, structural, device, named=True)
         cmp = _Comparer(exact_pg, mcops, exact=True, taken=taken)
         st = _State()
         if not cmp.outputs([anchor], st):
@@ -309,8 +312,19 @@ def _match_at(pattern, traced, mcops, anchor, taken, device):
         names = None
         if pattern.outputs is not None:
             outputs, names = _read_outputs(outputs, list(pattern.outputs), nodes, mcops)
-        return Match(pattern, inputs, outputs, nodes, primary, params, sizes, dtypes, names)
+        reference_names = _model_names(exact_pg, st)
+        return Match(pattern, inputs, outputs, nodes, primary, params, sizes, dtypes, names, reference_names)
     return None
+
+
+def _model_names(pg: PatternGraph, st: _State) -> dict[fx.Node, str]:
+    """The reference's name of each model node a named pattern value stands for."""
+    pairs = list(st.bound.items()) + list(st.p2m.items())
+    names: dict[fx.Node, str] = {}
+    for pn, mn in pairs:
+        if pn in pg.names:
+            names.setdefault(mn, pg.names[pn])
+    return names
 
 
 def _read_outputs(outputs: list, names: list, nodes: set, cops) -> tuple[list, list]:

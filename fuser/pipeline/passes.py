@@ -117,7 +117,7 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
         names = region.match.output_names or [f"out{i}" for i in range(len(region.outputs))]
         outputs = [operand(traced, n, name) for n, name in zip(region.outputs, names)]
         return KernelSpec(region.template, region.pattern, inputs, outputs, region.params, region.match.sizes)
-    program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs, region.stores)
+    program = lower_region(traced, cops, region.nodes, region.inputs, region.outputs, region.stores, region.names)
     if region.template == "pointwise" and any(cops[n].op in REDUCING for n in region.nodes):
         raise LoweringError("the pointwise template takes no reductions")
     sizes = dict(region.match.sizes) if region.match else {}

@@ -46,6 +46,9 @@ class Region:
     parts: tuple[str, ...] = ()  # a merged region: the patterns (or "generic") it was made of
     merged_params: dict = field(default_factory=dict)  # a merged region: "<part>.<name>" -> value
     stores: dict = field(default_factory=dict)  # output -> the ``x[index] = output`` it writes in place
+    # node -> the name a matched pattern's reference gives it (Match.names), for the kernel's
+    # locals; a merged region has its parts'
+    names: dict = field(default_factory=dict)
 
     @property
     def pattern(self) -> str:
@@ -261,9 +264,29 @@ class RegionBuilder:
         position, problem, _ = self.placement(covered, inputs, outputs)
         if position is None:
             return Rejection(pattern.name, match.outputs[0].name, problem, "order")
-        region = Region(nodes, inputs, outputs, pattern.template, match, covered, position)
+        names = self.argument_names(match)
+        region = Region(nodes, inputs, outputs, pattern.template, match, covered, position, names=names)
         self.commit(region)
         return region
+
+    def argument_names(self, match: Match) -> dict[fx.Node, str]:
+        """What the pattern's reference calls the kernel's values (:attr:`Match.names`), and each
+        view of a pattern input that a kernel reads as its argument rather than computes
+        (``gate_up[..., :inter]``, ``R.unsqueeze(2)`` of a GEMM's result: they stay in the
+        graph) called as the input it views."""
+        names = dict(match.names)
+        for node in match.nodes:
+            cop = self.cops.get(node)
+            if node in names or cop is None or cop.kind not in (VIEW, UNIT_VIEW):
+                continue
+            if fusible(cop) and not self.view_of_input(node):
+                continue  # a kernel computes it: called as the model's graph calls it
+            source = node
+            while source in match.nodes and self.cops[source].kind in (VIEW, UNIT_VIEW):
+                source = self.cops[source].args[0]
+            if source in match.inputs and source in names:
+                names[node] = names[source]
+        return names
 
     def unlowered(self, match: Match) -> fx.Node | None:
         """A matched op the kernel cannot compute, or None: every op of a pattern lowered from

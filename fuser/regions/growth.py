@@ -67,7 +67,8 @@ def _grown(builder: RegionBuilder, region: Region, current: Region, node: fx.Nod
     position, _, _ = builder.placement(covered, inputs, outputs)
     if position is None:
         return None
-    return builder.drop_view_outputs(Region(nodes, inputs, outputs, region.template, region.match, covered, position))
+    grown = Region(nodes, inputs, outputs, region.template, region.match, covered, position, names=region.names)
+    return builder.drop_view_outputs(grown)
 
 
 def feeds(a: Region, b: Region) -> bool:
@@ -129,7 +130,9 @@ def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
     template = row_template(nodes, builder.cops)
     parts = (a.parts or (a.pattern,)) + (b.parts or (b.pattern,))
     params = {**a.qualified_params(), **b.qualified_params()}
-    return builder.drop_view_outputs(Region(nodes, inputs, outputs, template, None, covered, position, parts, params))
+    names = {**b.names, **a.names}  # a value both name (an input they share) keeps the first part's name
+    region = Region(nodes, inputs, outputs, template, None, covered, position, parts, params, names=names)
+    return builder.drop_view_outputs(region)
 
 
 def stored_in_place(builder: RegionBuilder, region: Region, setitem: fx.Node, traced) -> Region | None:

@@ -3,10 +3,10 @@
 # params:  -
 # mlp_experts: torch.bfloat16 [T, 64]
 # mlp_join: torch.bfloat16 [T, 64]
-# truediv_79: torch.float32 [T, 4, 4]
-# to_9: torch.bfloat16 [T, 4, 64]
-# mul_24: torch.float32 [T, 4]
-# to_12 -> torch.bfloat16 [T, 4, 64]
+# comb (truediv_79): torch.float32 [T, 4, 4]
+# R (to_9): torch.bfloat16 [T, 4, 64]
+# post (mul_24): torch.float32 [T, 4]
+# result (to_12) -> torch.bfloat16 [T, 4, 64]
 import os
 
 import torch
@@ -33,13 +33,13 @@ else:
 
 
 @triton.jit
-def mhc_post_37e63bee5d40_kernel(
+def mhc_post_005dd48985d9_kernel(
     mlp_experts_ptr, mlp_experts_stride_row, mlp_experts_stride_0,
     mlp_join_ptr, mlp_join_stride_row, mlp_join_stride_0,
-    truediv_79_ptr, truediv_79_stride_row, truediv_79_stride_0, truediv_79_stride_1,
-    to_9_ptr, to_9_stride_row, to_9_stride_0, to_9_stride_1,
-    mul_24_ptr, mul_24_stride_row, mul_24_stride_0,
-    to_12_ptr, to_12_stride_row, to_12_stride_0, to_12_stride_1,
+    comb_ptr, comb_stride_row, comb_stride_0, comb_stride_1,
+    R_ptr, R_stride_row, R_stride_0, R_stride_1,
+    post_ptr, post_stride_row, post_stride_0,
+    result_ptr, result_stride_row, result_stride_0, result_stride_1,
     BLOCK_TILE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -49,41 +49,41 @@ def mhc_post_37e63bee5d40_kernel(
     mask2 = (tile[None, None, :] < 64)
     mlp_experts = tl.load(mlp_experts_ptr + row * mlp_experts_stride_row + tile * mlp_experts_stride_0, mask=mask0, other=0.0)
     mlp_join = tl.load(mlp_join_ptr + row * mlp_join_stride_row + tile * mlp_join_stride_0, mask=mask0, other=0.0)
-    truediv_79 = tl.load(truediv_79_ptr + row * truediv_79_stride_row + tl.arange(0, 4)[:, None] * truediv_79_stride_0 + tl.arange(0, 4)[None, :] * truediv_79_stride_1)
-    to_9 = tl.load(to_9_ptr + row * to_9_stride_row + tl.arange(0, 4)[:, None] * to_9_stride_0 + tile[None, :] * to_9_stride_1, mask=mask1, other=0.0)
-    mul_24 = tl.load(mul_24_ptr + row * mul_24_stride_row + tl.arange(0, 4) * mul_24_stride_0)
-    add_98 = to_bf16(mlp_experts.to(tl.float32) + mlp_join.to(tl.float32))
-    unsqueeze_8 = tl.expand_dims(truediv_79, 2)
-    unsqueeze_9 = tl.expand_dims(to_9, 1)
+    comb = tl.load(comb_ptr + row * comb_stride_row + tl.arange(0, 4)[:, None] * comb_stride_0 + tl.arange(0, 4)[None, :] * comb_stride_1)
+    R = tl.load(R_ptr + row * R_stride_row + tl.arange(0, 4)[:, None] * R_stride_0 + tile[None, :] * R_stride_1, mask=mask1, other=0.0)
+    post = tl.load(post_ptr + row * post_stride_row + tl.arange(0, 4) * post_stride_0)
+    out = to_bf16(mlp_experts.to(tl.float32) + mlp_join.to(tl.float32))
+    unsqueeze_8 = tl.expand_dims(comb, 2)
+    unsqueeze_9 = tl.expand_dims(R, 1)
     mul_29 = unsqueeze_8 * unsqueeze_9.to(tl.float32)
-    sum_83 = tl.sum(tl.where(mask2, mul_29, 0.0), axis=0)
-    unsqueeze_10 = tl.expand_dims(mul_24, 1)
-    unsqueeze_11 = tl.expand_dims(add_98, 0)
+    mixed = tl.sum(tl.where(mask2, mul_29, 0.0), axis=0)
+    unsqueeze_10 = tl.expand_dims(post, 1)
+    unsqueeze_11 = tl.expand_dims(out, 0)
     mul_30 = unsqueeze_10 * unsqueeze_11.to(tl.float32)
-    add_99 = mul_30 + sum_83
-    to_12 = to_bf16(add_99)
-    tl.store(to_12_ptr + row * to_12_stride_row + tl.arange(0, 4)[:, None] * to_12_stride_0 + tile[None, :] * to_12_stride_1, to_12, mask=mask1)
+    add_99 = mul_30 + mixed
+    result = to_bf16(add_99)
+    tl.store(result_ptr + row * result_stride_row + tl.arange(0, 4)[:, None] * result_stride_0 + tile[None, :] * result_stride_1, result, mask=mask1)
 
 
 
-def launch(mlp_experts, mlp_join, truediv_79, to_9, mul_24, block_tile=None):
-    """Run mhc_post_37e63bee5d40_kernel: returns (to_12,)."""
+def launch(mlp_experts, mlp_join, comb, R, post, block_tile=None):
+    """Run mhc_post_005dd48985d9_kernel: returns (result,)."""
     n_rows = mlp_experts.shape[0]
-    to_12 = torch.empty((n_rows, 4, 64), dtype=torch.bfloat16, device=mlp_experts.device)
+    result = torch.empty((n_rows, 4, 64), dtype=torch.bfloat16, device=mlp_experts.device)
     if n_rows > 0:
         if block_tile is None:  # the widest tile that leaves 512 programs, else the narrowest
             block_tile = 64
             while block_tile > 16 and n_rows * triton.cdiv(64, block_tile) < 512:
                 block_tile //= 2
         num_warps = {16: 1, 32: 1, 64: 1}[block_tile]
-        mhc_post_37e63bee5d40_kernel[(n_rows, triton.cdiv(64, block_tile))](
+        mhc_post_005dd48985d9_kernel[(n_rows, triton.cdiv(64, block_tile))](
             mlp_experts, mlp_experts.stride(0), mlp_experts.stride(1),
             mlp_join, mlp_join.stride(0), mlp_join.stride(1),
-            truediv_79, truediv_79.stride(0), truediv_79.stride(1), truediv_79.stride(2),
-            to_9, to_9.stride(0), to_9.stride(1), to_9.stride(2),
-            mul_24, mul_24.stride(0), mul_24.stride(1),
-            to_12, to_12.stride(0), to_12.stride(1), to_12.stride(2),
+            comb, comb.stride(0), comb.stride(1), comb.stride(2),
+            R, R.stride(0), R.stride(1), R.stride(2),
+            post, post.stride(0), post.stride(1),
+            result, result.stride(0), result.stride(1), result.stride(2),
             BLOCK_TILE=block_tile,
             num_warps=num_warps,
         )
-    return (to_12,)
+    return (result,)

@@ -3,11 +3,11 @@
 # params:  rmsnorm.eps=1e-06
 # self_attn_freqs_cis: torch.complex64 [64, 4]
 # positions: torch.int64 [T]
-# getitem_10: torch.bfloat16 [T, 48]
-# self_attn_q_norm_weight: torch.bfloat16 [48]
+# x (getitem_10): torch.bfloat16 [T, 48]
+# weight (self_attn_q_norm_weight): torch.bfloat16 [48]
 # getitem_11: torch.bfloat16 [T, 32]
 # self_attn_kv_norm_weight: torch.bfloat16 [32]
-# to_2 -> torch.bfloat16 [T, 48]
+# out (to_2) -> torch.bfloat16 [T, 48]
 # to_6 -> torch.bfloat16 [T, 8]
 # flatten_3 -> torch.float8_e4m3fn [T, 24]
 # squeeze -> torch.float32 [T, 3]
@@ -53,14 +53,14 @@ def to_e4m3(x):
 
 
 @triton.jit
-def rmsnorm_generic_2519659917fb_kernel(
+def rmsnorm_generic_454d829e92b4_kernel(
     self_attn_freqs_cis_ptr, self_attn_freqs_cis_stride_0, self_attn_freqs_cis_stride_1, self_attn_freqs_cis_stride_2,
     positions_ptr, positions_stride_row,
-    getitem_10_ptr, getitem_10_stride_row, getitem_10_stride_0,
-    self_attn_q_norm_weight_ptr, self_attn_q_norm_weight_stride_0,
+    x_ptr, x_stride_row, x_stride_0,
+    weight_ptr, weight_stride_0,
     getitem_11_ptr, getitem_11_stride_row, getitem_11_stride_0,
     self_attn_kv_norm_weight_ptr, self_attn_kv_norm_weight_stride_0,
-    to_2_ptr, to_2_stride_row, to_2_stride_0,
+    out_ptr, out_stride_row, out_stride_0,
     to_6_ptr, to_6_stride_row, to_6_stride_0,
     flatten_3_ptr, flatten_3_stride_row, flatten_3_stride_0,
     squeeze_ptr, squeeze_stride_row, squeeze_stride_0,
@@ -71,22 +71,22 @@ def rmsnorm_generic_2519659917fb_kernel(
     mask2 = (tl.arange(0, 32) < 24)
     mask3 = (tl.arange(0, 4) < 3)
     positions = tl.load(positions_ptr + row * positions_stride_row)
-    getitem_10 = tl.load(getitem_10_ptr + row * getitem_10_stride_row + tl.arange(0, 64) * getitem_10_stride_0, mask=mask0, other=0.0)
-    self_attn_q_norm_weight = tl.load(self_attn_q_norm_weight_ptr + tl.arange(0, 64) * self_attn_q_norm_weight_stride_0, mask=mask0, other=0.0)
+    x = tl.load(x_ptr + row * x_stride_row + tl.arange(0, 64) * x_stride_0, mask=mask0, other=0.0)
+    weight = tl.load(weight_ptr + tl.arange(0, 64) * weight_stride_0, mask=mask0, other=0.0)
     getitem_11 = tl.load(getitem_11_ptr + row * getitem_11_stride_row + tl.arange(0, 32) * getitem_11_stride_0)
     self_attn_kv_norm_weight = tl.load(self_attn_kv_norm_weight_ptr + tl.arange(0, 32) * self_attn_kv_norm_weight_stride_0)
     getitem_9_idx = tl.minimum(tl.maximum(tl.where(positions < 0, positions + 64, positions), 0), 64 - 1)  # positions
     getitem_9 = tl.load(self_attn_freqs_cis_ptr + getitem_9_idx * self_attn_freqs_cis_stride_0 + tl.arange(0, 4)[:, None] * self_attn_freqs_cis_stride_1 + tl.arange(0, 2)[None, :] * self_attn_freqs_cis_stride_2)
     getitem_9_re, getitem_9_im = tl.split(getitem_9)
-    float_3 = getitem_10.to(tl.float32)
-    pow_3 = float_3 * float_3
+    xf = x.to(tl.float32)
+    pow_3 = xf * xf
     mean_2 = tl.expand_dims(tl.sum(tl.where(mask0, pow_3, 0.0), axis=0), 0) / 48.0
     add_46 = mean_2 + 1e-06
     rsqrt_2 = tl.rsqrt(add_46)
-    mul_8 = float_3 * rsqrt_2
-    mul_9 = mul_8 * self_attn_q_norm_weight.to(tl.float32)
-    to_2 = to_bf16(mul_9)
-    tl.store(to_2_ptr + row * to_2_stride_row + tl.arange(0, 64) * to_2_stride_0, to_2, mask=mask0)
+    xf_1 = xf * rsqrt_2
+    mul_9 = xf_1 * weight.to(tl.float32)
+    out = to_bf16(mul_9)
+    tl.store(out_ptr + row * out_stride_row + tl.arange(0, 64) * out_stride_0, out, mask=mask0)
     float_6 = getitem_11.to(tl.float32)
     pow_5 = float_6 * float_6
     mean_4 = tl.expand_dims(tl.sum(pow_5, axis=0), 0) / 32.0
@@ -126,26 +126,26 @@ def rmsnorm_generic_2519659917fb_kernel(
 
 
 
-def launch(self_attn_freqs_cis, positions, getitem_10, self_attn_q_norm_weight, getitem_11, self_attn_kv_norm_weight):
-    """Run rmsnorm_generic_2519659917fb_kernel: returns (to_2, to_6, flatten_3, squeeze,)."""
+def launch(self_attn_freqs_cis, positions, x, weight, getitem_11, self_attn_kv_norm_weight):
+    """Run rmsnorm_generic_454d829e92b4_kernel: returns (out, to_6, flatten_3, squeeze,)."""
     n_rows = positions.shape[0]
-    to_2 = torch.empty((n_rows, 48), dtype=torch.bfloat16, device=positions.device)
+    out = torch.empty((n_rows, 48), dtype=torch.bfloat16, device=positions.device)
     to_6 = torch.empty((n_rows, 8), dtype=torch.bfloat16, device=positions.device)
     flatten_3 = torch.empty((n_rows, 24), dtype=torch.float8_e4m3fn, device=positions.device)
     squeeze = torch.empty((n_rows, 3), dtype=torch.float32, device=positions.device)
     self_attn_freqs_cis_pairs = torch.view_as_real(self_attn_freqs_cis.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        rmsnorm_generic_2519659917fb_kernel[(n_rows,)](
+        rmsnorm_generic_454d829e92b4_kernel[(n_rows,)](
             self_attn_freqs_cis_pairs, self_attn_freqs_cis_pairs.stride(0), self_attn_freqs_cis_pairs.stride(1), self_attn_freqs_cis_pairs.stride(2),
             positions, positions.stride(0),
-            getitem_10, getitem_10.stride(0), getitem_10.stride(1),
-            self_attn_q_norm_weight, self_attn_q_norm_weight.stride(0),
+            x, x.stride(0), x.stride(1),
+            weight, weight.stride(0),
             getitem_11, getitem_11.stride(0), getitem_11.stride(1),
             self_attn_kv_norm_weight, self_attn_kv_norm_weight.stride(0),
-            to_2, to_2.stride(0), to_2.stride(1),
+            out, out.stride(0), out.stride(1),
             to_6, to_6.stride(0), to_6.stride(1),
             flatten_3, flatten_3.stride(0), flatten_3.stride(1),
             squeeze, squeeze.stride(0), squeeze.stride(1),
             num_warps=1,
         )
-    return (to_2, to_6, flatten_3, squeeze,)
+    return (out, to_6, flatten_3, squeeze,)

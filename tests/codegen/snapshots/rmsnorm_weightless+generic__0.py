@@ -3,7 +3,7 @@
 # params:  rmsnorm_weightless.eps=1e-06
 # self_attn_freqs_cis: torch.complex64 [64, 4]
 # positions: torch.int64 [T]
-# view: torch.bfloat16 [T, 4, 32]
+# x (view): torch.bfloat16 [T, 4, 32]
 # cat -> torch.bfloat16 [T, 4, 32]
 import os
 
@@ -31,10 +31,10 @@ else:
 
 
 @triton.jit
-def rmsnorm_weightless_generic_816beaebd206_kernel(
+def rmsnorm_weightless_generic_b9a9ea631112_kernel(
     self_attn_freqs_cis_ptr, self_attn_freqs_cis_stride_0, self_attn_freqs_cis_stride_1, self_attn_freqs_cis_stride_2,
     positions_ptr, positions_stride_row,
-    view_ptr, view_stride_row, view_stride_0, view_stride_1,
+    x_ptr, x_stride_row, x_stride_0, x_stride_1,
     cat_ptr, cat_stride_row, cat_stride_0, cat_stride_1,
     BLOCK_TILE: tl.constexpr,
 ):
@@ -42,19 +42,19 @@ def rmsnorm_weightless_generic_816beaebd206_kernel(
     tile = tl.program_id(1) * BLOCK_TILE + tl.arange(0, BLOCK_TILE)
     mask0 = (tile[:, None] < 4)
     positions = tl.load(positions_ptr + row * positions_stride_row)
-    view = tl.load(view_ptr + row * view_stride_row + tile[:, None] * view_stride_0 + tl.arange(0, 32)[None, :] * view_stride_1, mask=mask0, other=0.0)
+    x = tl.load(x_ptr + row * x_stride_row + tile[:, None] * x_stride_0 + tl.arange(0, 32)[None, :] * x_stride_1, mask=mask0, other=0.0)
     getitem_9_idx = tl.minimum(tl.maximum(tl.where(positions < 0, positions + 64, positions), 0), 64 - 1)  # positions
     getitem_9 = tl.load(self_attn_freqs_cis_ptr + getitem_9_idx * self_attn_freqs_cis_stride_0 + tl.arange(0, 4)[:, None] * self_attn_freqs_cis_stride_1 + tl.arange(0, 2)[None, :] * self_attn_freqs_cis_stride_2)
     getitem_9_re, getitem_9_im = tl.split(getitem_9)
-    float_4 = view.to(tl.float32)
-    pow_4 = float_4 * float_4
+    xf = x.to(tl.float32)
+    pow_4 = xf * xf
     mean_3 = tl.expand_dims(tl.sum(tl.where(mask0, pow_4, 0.0), axis=1), 1) / 32.0
     add_47 = mean_3 + 1e-06
     rsqrt_3 = tl.rsqrt(add_47)
-    mul_10 = float_4 * rsqrt_3
-    to_3 = to_bf16(mul_10)
+    mul_10 = xf * rsqrt_3
+    out = to_bf16(mul_10)
     unsqueeze_1_re, unsqueeze_1_im = tl.expand_dims(getitem_9_re, 0), tl.expand_dims(getitem_9_im, 0)  # unsqueeze_1
-    getitem_13 = tl.sum(tl.where(tl.arange(0, 4)[None, :, None] == 3, tl.reshape(to_3.to(tl.float32), (4, 4, 8)), 0.0), axis=1)
+    getitem_13 = tl.sum(tl.where(tl.arange(0, 4)[None, :, None] == 3, tl.reshape(out.to(tl.float32), (4, 4, 8)), 0.0), axis=1)
     float_5 = getitem_13.to(tl.float32)
     unflatten_2 = tl.reshape(float_5, (BLOCK_TILE, 4, 2))
     view_as_complex_re, view_as_complex_im = tl.split(unflatten_2)  # view_as_complex
@@ -62,21 +62,21 @@ def rmsnorm_weightless_generic_816beaebd206_kernel(
     view_as_real = tl.join(mul_11_re, mul_11_im)
     flatten_1 = tl.reshape(view_as_real, (BLOCK_TILE, 8))
     to_4 = to_bf16(flatten_1)
-    tl.store(cat_ptr + row * cat_stride_row + tile[:, None] * cat_stride_0 + (tl.arange(0, 32)[None, :] + 0) * cat_stride_1, to_3, mask=(tile[:, None] < 4) & (tl.arange(0, 32)[None, :] < 24))
+    tl.store(cat_ptr + row * cat_stride_row + tile[:, None] * cat_stride_0 + (tl.arange(0, 32)[None, :] + 0) * cat_stride_1, out, mask=(tile[:, None] < 4) & (tl.arange(0, 32)[None, :] < 24))
     tl.store(cat_ptr + row * cat_stride_row + tile[:, None] * cat_stride_0 + (tl.arange(0, 8)[None, :] + 24) * cat_stride_1, to_4, mask=(tile[:, None] < 4))
 
 
 
-def launch(self_attn_freqs_cis, positions, view):
-    """Run rmsnorm_weightless_generic_816beaebd206_kernel: returns (cat,)."""
+def launch(self_attn_freqs_cis, positions, x):
+    """Run rmsnorm_weightless_generic_b9a9ea631112_kernel: returns (cat,)."""
     n_rows = positions.shape[0]
     cat = torch.empty((n_rows, 4, 32), dtype=torch.bfloat16, device=positions.device)
     self_attn_freqs_cis_pairs = torch.view_as_real(self_attn_freqs_cis.resolve_conj())  # complex64 as float pairs
     if n_rows > 0:
-        rmsnorm_weightless_generic_816beaebd206_kernel[(n_rows, triton.cdiv(4, 4))](
+        rmsnorm_weightless_generic_b9a9ea631112_kernel[(n_rows, triton.cdiv(4, 4))](
             self_attn_freqs_cis_pairs, self_attn_freqs_cis_pairs.stride(0), self_attn_freqs_cis_pairs.stride(1), self_attn_freqs_cis_pairs.stride(2),
             positions, positions.stride(0),
-            view, view.stride(0), view.stride(1), view.stride(2),
+            x, x.stride(0), x.stride(1), x.stride(2),
             cat, cat.stride(0), cat.stride(1), cat.stride(2),
             BLOCK_TILE=4,
             num_warps=1,
