@@ -14,7 +14,8 @@ import torch
 
 import fuser
 from benchmarks.bench_decode import causal_lm, prefilled, sharing_weights, step
-from fuser.model.fuse_model import _batch_inputs, _record_calls
+from fuser.model.fuse_model import _batch_inputs
+from fuser.model.recording import record_calls as _record_calls
 from fuser.pipeline.fuse_module import plan, tensors_of
 from fuser.trace.call_spec import with_state_copied
 from fuser.install.splice import install, restore

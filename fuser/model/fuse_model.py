@@ -18,18 +18,18 @@ while installing restores every layer fused so far: the model is never left half
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
-from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
 from fuser.model.model_report import LayerGroup, ModelReport
+from fuser.model.layer_stacks import decoder_stacks, layer_stacks  # noqa: F401 - layer_stacks: the api asks
 from fuser.model.progress import Progress
-from fuser.trace.call_spec import CallSpec, is_state, with_state_copied
+from fuser.model.recording import record_calls
+from fuser.trace.call_spec import CallSpec, with_state_copied
 from fuser.model.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
 from fuser.install.fused_graph import compile_forward
 from fuser.install.once_per_forward import share_within, unshare
@@ -44,33 +44,25 @@ MODEL_ATTR = "_fuser_model"  # on a model fused layer by layer: its ModelReport
 _HEAVY = (nn.Linear, nn.Embedding, nn.ModuleList, nn.ModuleDict)
 
 
-def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """Module lists of two or more modules of one class (decoder layers, by their look)."""
-    return [
-        (name, m) for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
-    ]  # fmt: skip
-
-
 def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: ModelReport | None = None,
                 **options) -> ModelReport | None:
     """Fuse ``model`` layer by layer (see the module's docstring); None when it has no stack
     of repeated layers, each called once per forward with hidden states in and out. ``report``:
     the one to fill in (a lazily fused model's, :mod:`fuser.model.lazy_model`)."""
-    stacks = layer_stacks(model)
-    if not stacks:
+    if not layer_stacks(model):
         return None
     if model.__dict__.get(MODEL_ATTR, report) is not report:
         raise FuserError(f"{type(model).__name__} is already fused; call fuser.restore() first")
     options.pop("batch_inputs", None)  # the model's; each layer's follow the batch of its hidden states
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    stacks = decoder_stacks(model, args, kwargs)
+    if not stacks:
+        return None  # lists of experts or per-head norms, no stack of layers: the module is fused whole
     layers = [(f"{name}.{i}", layer) for name, stack in stacks for i, layer in enumerate(stack)]
     others = _other_submodules(model, {n for n, _ in stacks})
     parents = _stack_parents(model, [n for n, _ in stacks])
     watched = [m for _, m in layers] + [m for _, m in others] + [m for _, m in parents]
-    calls = _record_calls(model, args, kwargs, watched)
-    if not all(_is_layer_call(calls.get(id(layer))) for _, layer in layers):
-        return None  # a list of experts or the like, not a stack of layers: the module is fused whole
+    calls = record_calls(model, args, kwargs, watched)
     if any(is_fused(m) for m in model.modules()):
         raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
     report = report if report is not None else ModelReport(type(model).__name__)
@@ -119,55 +111,6 @@ def restore(module: nn.Module) -> None:
             remove_copy_hooks(sub)
         return
     restore_module(module)
-
-
-# --- recording ----------------------------------------------------------------------------------
-def _record_calls(model, args, kwargs, modules) -> dict[int, tuple[tuple, dict]]:
-    """The first call of each of ``modules`` in one forward of the model: (args, kwargs), its
-    tensors cloned, and the first tensor it returned (under key ``"out"``)."""
-    calls: dict[int, Any] = {}
-    handles = []
-    # The forward runs on a copy of the call's state (a KV cache); each recorded call holds the
-    # state as it was before the forward (a layer's slot of a cache is written by that layer only).
-    args, kwargs = with_state_copied(args, kwargs)
-    before_forward = {id(v): copy.deepcopy(v) for v in torch.utils._pytree.tree_leaves((args, kwargs)) if is_state(v)}
-
-    def before(module, a, k):
-        if id(module) not in calls:
-            calls[id(module)] = [_cloned(a, before_forward), _cloned(k, before_forward), None]
-
-    def after(module, a, k, out):
-        record = calls.get(id(module))
-        if record is not None and record[2] is None:
-            first = tensors_of((out,))
-            record[2] = first[0].detach().clone() if first else None
-
-    for m in modules:
-        handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(m.register_forward_hook(after, with_kwargs=True))
-    try:
-        with preserved_state(model, tensors_of(args, kwargs)), torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return {key: tuple(value) for key, value in calls.items()}
-
-
-def _cloned(value, states: dict):
-    def clone(x):
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone()
-        return states.get(id(x), x)
-
-    return torch.utils._pytree.tree_map(clone, value)
-
-
-def _is_layer_call(call) -> bool:
-    """Called, with hidden states as its first argument, returning a tensor of their shape."""
-    if call is None or not call[0] or not isinstance(call[0][0], torch.Tensor) or call[2] is None:
-        return False
-    return call[2].shape == call[0][0].shape
 
 
 def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.Module]]:

@@ -30,6 +30,7 @@ from fuser.codegen.kernel import Kernel
 from fuser.install.copies import Copy, copy_kernels, install_copies
 from fuser.install.fused_graph import compile_forward, rewrite_graph
 from fuser.install.kv_cache import write_in_one_kernel
+from fuser.install.leaf_sizes import fed_by_state, size_checked
 from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
 from fuser.pipeline.passes import Planning, planning
@@ -153,7 +154,12 @@ def share_once_per_forward(f: Fusing) -> None:
 
 
 def fused_graph(f: Fusing) -> None:
-    launchers = {i: once_per_forward(k.launch) if k in f.shared else k.launch for i, k in enumerate(f.kernels)}
+    fed = fed_by_state(f.traced)
+    launchers = {
+        i: size_checked(once_per_forward(k.launch) if k in f.shared else k.launch, k.path.name if k.path else str(i),
+                        k.region.inputs, f.traced, fed)
+        for i, k in enumerate(f.kernels)
+    }  # fmt: skip
     constants = {n: attribute for n, (attribute, _) in f.constants.items()}
     f.graph, f.survivors = rewrite_graph(f.traced.graph, f.cops, [k.region for k in f.kernels], launchers, constants)
 

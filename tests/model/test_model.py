@@ -11,6 +11,7 @@ import torch
 
 import fuser
 import fuser.model.fuse_model
+import fuser.model.recording
 from examples.zoo import layers as zoo
 from fuser.install.splice import STATE_ATTR
 from fuser.validate.tolerance import LAYER, mismatch
@@ -227,7 +228,7 @@ def test_near_ties_of_a_router_are_the_tokens_whose_kth_and_next_scores_meet():
     model = causal_lm("qwen3_moe", layers=2)
     inputs = decode_inputs(batch=16)
     layer = model.model.layers[0]
-    args, kwargs, expected = fuser.model.fuse_model._record_calls(model, (), inputs, [layer])[id(layer)]
+    args, kwargs, expected = fuser.model.recording.record_calls(model, (), inputs, [layer])[id(layer)]
     p = fuser.plan(layer, args, example_kwargs=kwargs, batch_inputs=fuser.model.fuse_model._batch_inputs(layer, args, kwargs))
     flat, _ = p.guard.check(args, kwargs)
     rows = expected.shape[0]
@@ -291,10 +292,10 @@ def test_tokens_where_eager_is_not_settled_by_its_input_are_those_a_rounding_mov
     model = Stack()
     x = switched_inputs()
     layer = model.layers[0]
-    call = fuser.model.fuse_model._record_calls(model, (x,), {}, [layer])[id(layer)]
+    call = fuser.model.recording.record_calls(model, (x,), {}, [layer])[id(layer)]
     assert fuser.model.fuse_model._unsettled(layer, call, call[2]) == {2}
     x[2] = x[3]  # off the switch's point: settled
-    call = fuser.model.fuse_model._record_calls(model, (x,), {}, [layer])[id(layer)]
+    call = fuser.model.recording.record_calls(model, (x,), {}, [layer])[id(layer)]
     assert fuser.model.fuse_model._unsettled(layer, call, call[2]) == set()
 
 

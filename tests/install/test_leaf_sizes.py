@@ -1,0 +1,45 @@
+"""A kernel fed by a call given state (a dynamic cache's update, which grows each step while the
+inputs the guard checks keep their sizes) checks the sizes it was built for, and raises naming
+them, rather than computing on part of a grown value."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import fuser
+from fuser.install.leaf_sizes import StateSizeChanged
+from tests.model.test_model import causal_lm
+
+
+class SoftmaxAttention(torch.nn.Module):
+    """Attention whose softmax over the keys is glue: its width is the cache's length."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, cache):
+        k, v = cache.update(self.k(x).unsqueeze(1), self.k(x).unsqueeze(1), 0)
+        w = torch.softmax((self.q(x).unsqueeze(1) @ k.transpose(-1, -2) * 0.25).float(), -1).to(x.dtype)
+        return x + (w @ v).squeeze(1)
+
+
+def cache_holding(length: int) -> DynamicCache:
+    cache = DynamicCache(config=causal_lm("llama", layers=1).config)
+    g = torch.Generator().manual_seed(length)
+    cache.update(torch.randn(2, 1, length, 16, generator=g), torch.randn(2, 1, length, 16, generator=g), 0)
+    return cache
+
+
+def test_a_kernel_fed_by_a_grown_cache_raises_naming_the_size():
+    module = SoftmaxAttention().eval()
+    x = torch.randn(2, 1, 16)
+    fuser.apply(module, (x, cache_holding(4)))
+    same = cache_holding(4)
+    with torch.no_grad():
+        expected = type(module).forward(module, x, copy.deepcopy(same))
+        assert torch.allclose(module(x, copy.deepcopy(same)), expected, atol=1e-6)
+        with pytest.raises(StateSizeChanged, match=r"of size \('T', 1, 1, 5\) and got \(2, 1, 1, 7\)"):
+            module(x, cache_holding(6))
