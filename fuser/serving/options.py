@@ -1,31 +1,14 @@
 """options: what the serving integration does (:class:`Options`), read from the ``FUSER_*``
-environment variables, which an engine's worker processes inherit. An adapter's options (its
-default layer classes, its own variables) are a subclass that extends :meth:`Options.env_fields`."""
+environment variables, which an engine's worker processes inherit, with the helpers the library
+reads them with (:mod:`fuser.pipeline.options`). An adapter's options (its default layer
+classes, its own variables) are a subclass that extends :meth:`Options.env_fields`."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def env_flag(environ, name: str, default: bool = False) -> bool:
-    """``environ[name]`` read as a boolean; unset or empty gives ``default``."""
-    value = environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={environ[name]!r}: expected one of {', '.join(_TRUE + _FALSE)}")
-
-
-def env_names(environ, name: str, separator: str = ",") -> tuple[str, ...]:
-    return tuple(x.strip() for x in environ.get(name, "").split(separator) if x.strip())
+from fuser.pipeline.options import env_flag, env_names
 
 
 @dataclass(frozen=True)

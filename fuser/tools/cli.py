@@ -28,6 +28,9 @@ from pathlib import Path
 
 from fuser import __version__, interpreter_problem
 from fuser.api import kernels_that_could_not_run
+from fuser.pipeline.options import library_options
+from fuser.trace.leaves import UnknownLeaf
+from fuser.trace.leaves import resolve_leaves as _resolve_leaves
 
 OK, MISMATCH, USAGE, INTERNAL = 0, 1, 2, 3
 
@@ -103,39 +106,12 @@ def build(spec: str, **factory_args):
 
 
 def resolve_leaves(module, names) -> list:
-    """``--leaf`` names -> trace leaves: a submodule's qualified name as is, a module class
-    name (of any submodule) as that class, ``package.module.function`` as that function."""
-    import torch
-
-    submodules = dict(module.named_modules()) if isinstance(module, torch.nn.Module) else {}
-    classes = {type(m).__name__: type(m) for m in submodules.values()}
-    leaves = []
-    for name in names or ():
-        if name and name in submodules:
-            leaves.append(name)
-        elif name in classes:
-            leaves.append(classes[name])
-        elif (function := _function_at(name)) is not None:
-            leaves.append(function)
-        else:
-            known = ", ".join(n for n in submodules if n and "." not in n)
-            raise UsageError(
-                f"--leaf {name!r} names no submodule, module class or function of {type(module).__name__}"
-                f" (its submodules: {known or 'none'})"
-            )
-    return leaves
-
-
-def _function_at(path: str):
-    """The function a dotted path ``package.module.function`` names, or None."""
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        return None
+    """``--leaf`` names -> trace leaves, read as ``fuser.apply(leaves=...)`` reads them
+    (:func:`fuser.trace.leaves.resolve_leaves`); a name that names nothing is a usage error."""
     try:
-        value = getattr(importlib.import_module(module_name), attr, None)
-    except Exception:  # noqa: BLE001 - not an importable module: not a function path
-        return None
-    return value if callable(value) and not isinstance(value, type) else None
+        return _resolve_leaves(module, names)
+    except UnknownLeaf as e:
+        raise UsageError(f"--leaf {e.name!r} {e.detail}") from None
 
 
 def pattern_paths(paths) -> list[Path]:
@@ -165,7 +141,11 @@ def _declares_pattern(file: Path) -> bool:
 
 
 def _options(args, module, kwargs) -> dict:
-    return {"leaves": resolve_leaves(module, args.leaf), "patterns": pattern_paths(args.patterns), "example_kwargs": kwargs}
+    """The options of every command on a module: ``--leaf`` and ``--patterns``, then
+    ``FUSER_LEAVES`` and ``FUSER_PRECOMPUTE`` read as the library reads them (``profile`` and
+    ``suggest`` plan without ``fuser.apply``)."""
+    options = {"leaves": resolve_leaves(module, args.leaf), "patterns": pattern_paths(args.patterns), "example_kwargs": kwargs}
+    return library_options(module, options)
 
 
 def _say(args, text: str) -> None:

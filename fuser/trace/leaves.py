@@ -12,11 +12,16 @@ A leaf runs its own code at run time and is never looked into. Besides the leave
   C extensions given traced tensors.
 
 Only the traced module's own forward is never made a leaf: what it cannot trace is refused.
+
+The leaves a user names (``fuser.apply(leaves=...)``, ``FUSER_LEAVES``, the CLI's ``--leaf``)
+are read by :func:`resolve_leaves`, one way everywhere; a name that names nothing is
+:class:`UnknownLeaf`.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.machinery
 import inspect
 import sys
@@ -50,6 +55,66 @@ class AutomaticLeaf:
     where: str  # file:line of the code that could not be traced, or of the call
     reason: str
     function: Callable | None = field(default=None, repr=False, compare=False)  # a function leaf's
+
+
+# --- the leaves a user names -------------------------------------------------------------------
+class UnknownLeaf(ValueError):
+    """A leaf name that names no submodule, module class or function of the module fused."""
+
+    def __init__(self, name: str, module):
+        self.name = name
+        known = [n for n, _ in module.named_children()] if isinstance(module, torch.nn.Module) else []
+        # what follows the name in the message (the CLI puts ``--leaf`` before it)
+        self.detail = (
+            f"names no submodule, module class or function of {type(module).__name__}"
+            f" (its submodules: {', '.join(known) or 'none'})"
+        )
+        super().__init__(f"leaf {name!r} {self.detail}")
+
+
+def resolve_leaves(module, names: Iterable) -> list:
+    """Leaf names -> what the trace keeps opaque, read one way by ``fuser.apply(leaves=...)``,
+    ``FUSER_LEAVES`` and the CLI's ``--leaf``:
+
+    * anything but a string (a module class, a function, a module instance): as it is;
+    * a submodule's qualified name in ``module``, or the tail of one (``"mlp"`` names every
+      ``...mlp``, each decoder layer's when a whole model is fused layer by layer): the
+      submodules themselves, which the trace keeps opaque by identity, so that a name relative
+      to the model reaches each layer's trace (:mod:`fuser.model.fuse_model` traces each layer
+      on its own, with names relative to the layer);
+    * the class name of a submodule: that class (every instance of it is a leaf);
+    * ``package.module.function``: that function.
+
+    A string that is none of these raises :class:`UnknownLeaf`. The result holds each leaf once.
+    """
+    submodules = [(n, m) for n, m in module.named_modules() if n] if isinstance(module, torch.nn.Module) else []
+    classes = {type(m).__name__: type(m) for _, m in submodules}
+    leaves: list = []
+    for name in names or ():
+        if not isinstance(name, str):
+            found = [name]
+        elif name and (found := [m for n, m in submodules if n == name or n.endswith("." + name)]):
+            pass
+        elif name in classes:
+            found = [classes[name]]
+        elif (function := _function_at(name)) is not None:
+            found = [function]
+        else:
+            raise UnknownLeaf(name, module)
+        leaves += [x for x in found if not any(x is y for y in leaves)]
+    return leaves
+
+
+def _function_at(path: str):
+    """The function a dotted path ``package.module.function`` names, or None."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        value = getattr(importlib.import_module(module_name), attr, None)
+    except Exception:  # noqa: BLE001 - not an importable module: not a function path
+        return None
+    return value if callable(value) and not isinstance(value, type) else None
 
 
 # --- which namespaces hold a function by name --------------------------------------------------

@@ -67,12 +67,16 @@ class ShadowTracer(fx.Tracer):
         leaf_types: Sequence[type] = (),
         leaf_functions: Sequence[Callable] = (),
         counters: Iterable[tuple] = (),
+        leaf_modules: Iterable[torch.nn.Module] = (),
     ):
         super().__init__(param_shapes_constant=True)
         self.counters = set(counters)  # getters (state, path) the forward changes: leaves, never values
         self.leaf_functions = list(leaf_functions)  # patched where they are held: fuser.trace.leaves
         self.noted: list[AutomaticLeaf] = []  # calls into compiled code, kept as one call each
-        self.leaf_names = set(leaf_names)
+        self.leaf_names = set(leaf_names)  # qualified names in the traced module
+        # submodules kept opaque whatever their name (fuser.trace.leaves.resolve_leaves): held,
+        # so that an id is never a freed module's
+        self.leaf_modules = {id(m): m for m in leaf_modules}
         self.leaf_types = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_types)
         self.shadows: dict[str, tuple[Any, Any]] = {}
         self._placeholder_values: dict[str, tuple[Any, Any]] = {}
@@ -90,7 +94,13 @@ class ShadowTracer(fx.Tracer):
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
-        return qualified_name in self.leaf_names or isinstance(m, self.leaf_types) or is_opaque(type(m)) or is_opaque(m)
+        return (
+            qualified_name in self.leaf_names
+            or id(m) in self.leaf_modules
+            or isinstance(m, self.leaf_types)
+            or is_opaque(type(m))
+            or is_opaque(m)
+        )
 
     def call_module(self, m, forward, args, kwargs):
         if self._eager_depth:

@@ -113,7 +113,7 @@ def trace(
     example_inputs: Sequence[Any],
     *,
     example_kwargs: dict[str, Any] | None = None,
-    leaves: Iterable[str | type | Callable] = (),
+    leaves: Iterable[str | type | Callable | torch.nn.Module] = (),
     batch_inputs: dict[str, int] | None = None,
     rewrites: Sequence[Callable] | None = None,
 ) -> Traced:
@@ -121,8 +121,10 @@ def trace(
 
     The example call is ``module(*example_inputs, **example_kwargs)``; every tensor in it
     (nested in tuples, lists and dicts too) becomes a graph input, and every other value is
-    baked in (:mod:`fuser.trace.call_spec`). ``leaves`` adds opaque leaves: submodule qualified names,
-    module classes or functions. A submodule whose forward cannot be traced becomes a leaf by
+    baked in (:mod:`fuser.trace.call_spec`). ``leaves`` adds opaque leaves: submodule qualified
+    names, module classes, functions or submodule instances (kept opaque by identity, whatever
+    their name: :func:`fuser.trace.leaves.resolve_leaves` reads a user's names into them). A
+    submodule whose forward cannot be traced becomes a leaf by
     itself, and so is each call into compiled code (listed in ``Traced.automatic_leaves``;
     :mod:`fuser.trace.leaves`); only code of the traced forward itself is refused. ``batch_inputs``
     maps forward parameter names (or graph input names) to their batch dim (default: dim 0 of
@@ -149,7 +151,8 @@ def trace(
     tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
     grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
     leaves = list(leaves)
-    functions = [x for x in leaves if callable(x) and not isinstance(x, type)] + opaque_functions()
+    modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
+    functions = [x for x in leaves if callable(x) and not isinstance(x, (type, torch.nn.Module))] + opaque_functions()
     automatic: list[AutomaticLeaf] = []
     counters: set[tuple] = set()
     attributes = set(vars(module)) if isinstance(module, torch.nn.Module) else set()
@@ -159,6 +162,7 @@ def trace(
             leaf_types=[x for x in leaves if isinstance(x, type)],
             leaf_functions=functions + [a.function for a in automatic if a.function is not None],
             counters=counters,
+            leaf_modules=modules,
         )
         tracer.record_stack_traces = True  # each node's source line, for the report (refusal.source_of)
         # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
