@@ -20,6 +20,7 @@ from fuser.model.fuse_model import MODEL_ATTR, apply_model, layer_stacks, restor
 from fuser.model.cuda_graphs import wrap as wrap_in_cuda_graphs
 from fuser.model.lazy_model import apply_lazily
 from fuser.pipeline.fuse_module import FuserError, apply_plan, plan, tensors_of
+from fuser.pipeline.options import library_options
 from fuser.pipeline.pass_list import UnknownPass, switched_off
 from fuser.ir.report import Report
 from fuser.trace.call_spec import state_tensors, with_state_copied
@@ -72,10 +73,16 @@ def apply(module: torch.nn.Module, example_inputs=None, **options) -> Report:
     ``cuda_graphs=True`` (a model of decoder layers) replays its decode steps with a static
     cache from CUDA graphs, one per batch size (:mod:`fuser.model.cuda_graphs`).
 
+    ``leaves=[...]`` names more opaque leaves (a submodule's qualified name or its tail, a
+    class or its name, a function or its dotted path; an unknown name raises
+    :class:`FuserError`); ``FUSER_LEAVES`` adds to them and ``FUSER_PRECOMPUTE=0`` reads every
+    weight live where ``precompute=`` is not given (:mod:`fuser.pipeline.options`).
+
     ``disable_passes=("merge", ...)`` (or ``FUSER_DISABLE_PASSES=merge,...``) switches passes
     of :data:`fuser.pipeline.pass_list.PASS_LIST` off by name, to bisect a wrong result to one;
     ``report.disabled_passes`` names them.
     """
+    options = library_options(module, options)
     _check_pass_names(options)
     graphs = options.pop("cuda_graphs", False)
     if graphs and not torch.cuda.is_available():
@@ -104,6 +111,7 @@ def _apply_lazily(module: torch.nn.Module, options: dict) -> Report:
 def explain(module: torch.nn.Module, example_inputs, **options) -> Report:
     """What :func:`apply` would fuse, and why the rest is not; installs nothing (a model fused
     layer by layer is fused, reported and restored)."""
+    options = library_options(module, options)
     _check_pass_names(options)
     layered = apply_model(module, example_inputs, **options)
     if layered is not None:
@@ -182,6 +190,7 @@ def _run(module, args, kwargs):
 def check(module: torch.nn.Module, example_inputs, **options) -> CheckResult:
     """Run fused and eager from identical state; compare outputs and every buffer and input
     the forward writes in place. The module and inputs are left as they were."""
+    options = library_options(module, options)
     _check_pass_names(options)
     args, kwargs = tuple(example_inputs), dict(options.get("example_kwargs") or {})
     tensors = tensors_of(args, kwargs)

@@ -40,6 +40,7 @@ from fuser.trace.tracing import Traced
 from fuser.validate.against_eager import INTERPRETER_LOCK
 
 STATE_ATTR = "_fuser_state"
+ANY = -1  # a size of the guard's record that may be anything (fuser.install.free_sizes)
 FUSER_PREFIX = "_fuser_"  # every attribute fuser puts on a module
 
 
@@ -53,14 +54,15 @@ class Guard:
     state_reads: tuple = ()  # what the trace read off state objects (fuser.trace.call_spec.StateRead)
 
     @classmethod
-    def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None) -> "Guard":
+    def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None, free=None) -> "Guard":
+        """``free``: input name -> dims of any size (:mod:`fuser.install.free_sizes`)."""
         specs = []
         for name, value in zip(traced.input_names, traced.example_inputs):
             if not isinstance(value, torch.Tensor):
                 specs.append((name, None))  # state: the call spec checks its type
                 continue
-            batch = traced.batch_inputs.get(name)
-            sizes = tuple(None if i == batch else s for i, s in enumerate(value.shape))
+            batch, any_size = traced.batch_inputs.get(name), (free or {}).get(name, ())
+            sizes = tuple(None if i == batch else ANY if i in any_size else s for i, s in enumerate(value.shape))
             specs.append((name, (value.dtype, value.device, sizes)))
         return cls(traced.call, specs, predicate, tuple(traced.state_reads))
 
@@ -97,6 +99,8 @@ class Guard:
             if value.dtype != dtype or value.device != device or value.dim() != len(sizes):
                 return f"{name} is {value.dtype} {tuple(value.shape)} on {value.device}"
             for i, (have, want) in enumerate(zip(value.shape, sizes)):
+                if want is ANY:
+                    continue
                 if want is None:
                     if have == 0:
                         return f"{name} has no tokens"

@@ -51,6 +51,7 @@ class Report:
     precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
     state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
+    free_sizes: dict = field(default_factory=dict)  # input -> dims of any size at each call (fuser.install.free_sizes)
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -108,6 +109,9 @@ class Report:
         if self.state_reads:
             values = ", ".join(f"{k}={v}" for k, v in self.state_reads.items())
             lines += ["", f"read off the call's state as traced (a call where one differs runs eager): {values}"]
+        if self.free_sizes:
+            values = ", ".join(f"{k} dims {v}" for k, v in self.free_sizes.items())
+            lines += ["", f"inputs that reach no kernel, whose sizes may differ from call to call: {values}"]
         launches = sum(u.launches for u in self.unfused)
         lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
         node_w = max([len(u.node) for u in self.unfused] + [8])

@@ -95,7 +95,8 @@ def plan(
     for leaf in report.automatic_leaves:
         if leaf["name"] in f.cache_writes:
             leaf["reason"] += "; a plain layer of transformers' StaticCache is written by one kernel (fuser.install.kv_cache)"
-    p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard), report)
+    report.free_sizes = {name: list(dims) for name, dims in f.free.items()}
+    p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
     p.literals = dict(report.literals)

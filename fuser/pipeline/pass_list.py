@@ -30,6 +30,7 @@ from fuser.codegen.kernel import Kernel
 from fuser.install.copies import Copy, copy_kernels, install_copies
 from fuser.install.fused_graph import compile_forward, rewrite_graph
 from fuser.install.kv_cache import write_in_one_kernel
+from fuser.install.free_sizes import free_sizes, reached_from
 from fuser.install.leaf_sizes import fed_by_state, size_checked
 from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
@@ -61,6 +62,7 @@ class Fusing:
     shared: list[Kernel] = field(default_factory=list)  # once_per_forward
     graph: fx.Graph | None = None  # rewrite_graph: the fused graph
     survivors: set = field(default_factory=set)  # rewrite_graph: the traced nodes it keeps
+    free: dict = field(default_factory=dict)  # rewrite_graph: input -> dims of any size (install.free_sizes)
     cache_writes: list[str] = field(default_factory=list)  # static_cache_write: the calls changed
     forward: Callable | None = None  # compile_forward
 
@@ -154,7 +156,9 @@ def share_once_per_forward(f: Fusing) -> None:
 
 
 def fused_graph(f: Fusing) -> None:
-    fed = fed_by_state(f.traced)
+    copied = {c.node for c in f.copies}
+    f.free = free_sizes(f.traced, f.cops, f.covered() | copied)
+    fed = fed_by_state(f.traced) | reached_from(f.traced.graph, f.free)
     launchers = {
         i: size_checked(once_per_forward(k.launch) if k in f.shared else k.launch, k.path.name if k.path else str(i),
                         k.region.inputs, f.traced, fed)
