@@ -13,7 +13,7 @@ import torch
 
 import fuser
 from examples.zoo import layers as zoo
-from fuser.install.splice import STATE_ATTR, _wants_grad
+from fuser.install.splice import STATE_ATTR, wants_grad
 
 
 def guard_us(model: str, number: int = 2000) -> dict:
@@ -24,7 +24,7 @@ def guard_us(model: str, number: int = 2000) -> dict:
     def checks():
         traced_args, why = state.guard.check(args, kwargs)
         assert why is None
-        assert not _wants_grad(layer, traced_args)
+        assert not wants_grad(layer, traced_args)
         assert state.stale(layer)[0] is None
 
     with torch.no_grad():

@@ -99,7 +99,7 @@ class Guard:
             if value.dtype != dtype or value.device != device or value.dim() != len(sizes):
                 return f"{name} is {value.dtype} {tuple(value.shape)} on {value.device}"
             for i, (have, want) in enumerate(zip(value.shape, sizes)):
-                if want is ANY:
+                if want == ANY:
                     continue
                 if want is None:
                     if have == 0:
@@ -179,7 +179,7 @@ def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callabl
     return type(module).forward.__get__(module)
 
 
-def _wants_grad(module: torch.nn.Module, tensors) -> bool:
+def wants_grad(module: torch.nn.Module, tensors) -> bool:
     """Would autograd record this call (``tensors``: every tensor it passes, nested ones too)?
     The fused kernels have no backward, so it must run eager. Parameters are asked at each call
     (after grad mode): requires_grad may change after apply."""
@@ -210,7 +210,7 @@ class GuardedForward:
         if state is not None:
             traced_args, why = state.guard.check(args, kwargs)  # every tensor of the call, or None
             warned = why == USER_GUARD  # the user's own predicate: not news to them
-            if why is None and _wants_grad(module, traced_args):
+            if why is None and wants_grad(module, traced_args):
                 why = AUTOGRAD
             if why is None:
                 why, warned = state.stale(module)
