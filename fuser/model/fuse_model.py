@@ -69,7 +69,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
     fused: list[nn.Module] = []
     progress = Progress(type(model).__name__, len(layers))
     try:
-        for group in groups_of(layers):
+        for group in groups_of(layers, options.get("leaves", ())):
             started = time.perf_counter()
             groups = _fuse_group(group, calls, options, fused, progress)
             report.groups += groups

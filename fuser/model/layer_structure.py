@@ -28,11 +28,15 @@ def structure(layer: nn.Module) -> tuple:
     return type(layer), tensors, flags
 
 
-def groups_of(layers: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
-    """``layers`` (name, layer) in groups of one :func:`structure`, each in model order."""
+def groups_of(layers: list[tuple[str, nn.Module]], leaves=()) -> list[list[tuple[str, nn.Module]]]:
+    """``layers`` (name, layer) in groups of one :func:`structure`, each in model order; layers
+    whose submodules named as leaves (module instances among ``leaves``) differ by their names
+    in the layer are apart (one layer's ``mlp`` named a leaf: that layer is planned alone)."""
+    instances = {id(x) for x in leaves if isinstance(x, nn.Module)}
     groups: dict[tuple, list] = {}
     for name, layer in layers:
-        groups.setdefault(structure(layer), []).append((name, layer))
+        named = tuple(sorted(n for n, m in layer.named_modules() if id(m) in instances))
+        groups.setdefault((structure(layer), named), []).append((name, layer))
     return list(groups.values())
 
 

@@ -194,3 +194,19 @@ def test_a_model_fused_layer_by_layer_keeps_the_named_leaf_in_every_layer(model)
         assert [after[n] - before[n] for n in group.layers] == [1, 1], (before, after)  # both ran fused
     finally:
         fuser.restore(model)
+
+
+@torch.no_grad()
+def test_one_layer_s_submodule_named_by_its_path_is_a_leaf_in_that_layer_only(model):
+    """Layers whose named leaves differ are planned apart (fuser.model.layer_structure.groups_of):
+    naming ``model.layers.1.mlp`` keeps layer 0's mlp glue fused."""
+    expected = model(x())
+    report = apply_model(model, (x(),), **library_options(model, {"leaves": ["model.layers.1.mlp"]}, environ={}))
+    try:
+        by_layer = {g.layers[0]: g.report for g in report.groups}
+        assert sorted(by_layer) == ["model.layers.0", "model.layers.1"], report.text()
+        fused_silu = {name: any("silu" in node for c in r.chains for node in c.nodes) for name, r in by_layer.items()}
+        assert fused_silu == {"model.layers.0": True, "model.layers.1": False}, report.text()
+        torch.testing.assert_close(model(x()), expected)
+    finally:
+        fuser.restore(model)
