@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 import torch
 
+from fuser.install.fixed_at_apply import Literals, ModuleSnapshot, Precomputed, read_attributes, version_stamp
 from fuser.trace.call_spec import CallSpec
 from fuser.trace.refusal import user_stacklevel
-from fuser.install.fixed_at_apply import Literals, ModuleSnapshot, Precomputed, read_attributes, version_stamp
 from fuser.trace.tracing import Traced
 from fuser.validate.against_eager import INTERPRETER_LOCK
 
