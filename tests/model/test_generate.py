@@ -225,3 +225,29 @@ def test_cuda_graphs_leave_a_sliding_window_cache_uncaptured_and_say_so():
     assert torch.equal(got, eager) and graphed.replays == 0
     assert list(graphed.not_captured) == [cuda_graphs.NO_STATIC_CACHE], graphed.not_captured
     assert [w for w in fuser_warnings(caught) if "without a CUDA graph" in w], fuser_warnings(caught)
+
+
+def test_generate_s_own_compile_of_a_fused_model_runs_and_gives_eager_s_tokens():
+    """transformers compiles the forward of a static-cache generate itself (here forced on the
+    CPU, with Dynamo's eager backend): apply turned it off, and a user who turns it back on gets
+    the model's own code compiled — no crash, eager's tokens."""
+    from transformers import CompileConfig
+
+    model = causal_lm("qwen3", layers=2)
+    ids, mask = prompt(2)
+    expected = generate(model, ids, mask, "static")
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    fuser.apply(model)
+    assert torch.equal(generate(model, ids, mask, "static"), expected)  # fused at its first decode step
+    assert layer_calls(model), "the layers are fused"
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                 pad_token_id=0, cache_implementation="static", compile_config=config,
+                                 disable_compile=False)  # fmt: skip
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    assert "_compiled_call" in vars(model), "generate compiled the forward"
