@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon.canonicalize import COp
+from fuser.lower.concat import remapped
 from fuser.lower.code import ONE_HOT_LIMIT, LoweringError, Segments, expanded, rounded, selected, shape_literal
 from fuser.lower.registry import lowering
 from fuser.lower.row_gathers import gather_rows
@@ -210,7 +211,8 @@ def slice_columns(lw, node: fx.Node, name: str, cop: COp):
 def joined(lw, node: fx.Node) -> str:
     """A concatenation along the last axis (kept as column segments until now) as one block:
     two halves of a power-of-two width are interleaved and regrouped (``rotate_half``);
-    other parts are placed with a one-hot sum over the columns."""
+    other parts are placed with a one-hot sum over the columns when that is small enough,
+    else each part is read again at the concatenation's columns (:mod:`fuser.lower.concat`)."""
     parts = lw.names[node].parts
     shape = lw.padded(node)
     rank, last = len(shape), shape[-1]
@@ -228,8 +230,12 @@ def joined(lw, node: fx.Node) -> str:
             spread = f"tl.expand_dims({value}, {rank})"
             terms.append(selected(f"({own} < {w}) & ({own} + {offset} == {cols})", spread, rank - 1))
         expr = " + ".join(terms)
-    else:
-        raise LoweringError(f"`{node.name}`: a {last}-wide concatenation is too large to assemble in registers", node)
+    else:  # each part read again at the concatenation's columns, where each can be
+        expr = remapped(lw, node)
+        if expr is None:
+            raise LoweringError(f"`{node.name}`: a {last}-wide concatenation is too large to assemble in registers", node)
+        if expr.isidentifier():
+            return expr
     name = f"joined{len(lw.lines)}"
     lw.lines.append(f"{name} = {expr}  # {node.name}")
     return name

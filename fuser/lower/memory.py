@@ -40,6 +40,24 @@ def emit_load(lw, node: fx.Node, name: str, operand: Operand, row: str | None, f
     _finish_pair_load(lw, node, name, operand)
 
 
+def load_columns(lw, node: fx.Node, name: str, operand: Operand, cols: str, width: int, may_be_negative: bool):
+    """``name = tl.load(...)`` of ``node``'s block at columns ``cols`` (an index along its last
+    axis, any block width, ``width`` columns real) instead of its own: the other axes as
+    :func:`emit_load` reads them, the columns outside ``[0, width)`` masked (a concatenation's
+    part read at the concatenation's columns, :mod:`fuser.lower.concat`)."""
+    rank = len(operand.shape)
+    terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
+    masks = []
+    for axis, size in enumerate(operand.shape[:-1]):
+        index = lw.axis_index(node, axis, rank)
+        terms.append(f"{index} * {operand.name}_stride_{axis}")
+        if lw.is_tiled(node, axis) or pow2(size) != size:
+            masks.append(f"({index} < {size})")
+    terms.append(f"{cols} * {operand.name}_stride_{rank - 1}")
+    masks += ([f"({cols} >= 0)"] if may_be_negative else []) + [f"({cols} < {width})"]
+    lw.lines.append(f"{name} = tl.load({' + '.join(terms)}, mask={' & '.join(masks)}, other=0.0)  # {node.name}")
+
+
 def _finish_pair_load(lw, node, name, operand):
     lw.dtypes[node] = operand.dtype
     if operand.complex:
