@@ -23,6 +23,7 @@ per call), and at most :data:`MAX_GRAPHS` are kept, least recently used dropped.
 from __future__ import annotations
 
 import collections
+import copy
 import warnings
 import weakref
 
@@ -85,6 +86,10 @@ class GraphedForward:
         self.replays = 0
         self.not_captured: dict[str, int] = {}  # decode calls run without a graph, by reason
         self.warned = False
+
+    def __deepcopy__(self, memo: dict) -> "GraphedForward":
+        """A copy of the model replays graphs of its own, captured anew."""
+        return GraphedForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.inner, memo))
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() or capturing() or not is_decode_call(args, kwargs):

@@ -30,9 +30,8 @@ import torch.nn as nn
 
 from fuser.codegen.capture_guard import capturing
 from fuser.install.splice import add_copy_hooks, expect_declines
-from fuser.model import cuda_graphs
+from fuser.model import cuda_graphs, fuse_model
 from fuser.model.decode_calls import is_decode_call
-from fuser.model import fuse_model
 from fuser.model.fuse_model import MODEL_ATTR
 from fuser.model.fuse_model import restore as restore_fused
 from fuser.model.model_report import ModelReport

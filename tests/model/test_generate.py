@@ -251,3 +251,23 @@ def test_generate_s_own_compile_of_a_fused_model_runs_and_gives_eager_s_tokens()
         torch._dynamo.reset()
     assert torch.equal(got, expected)
     assert "_compiled_call" in vars(model), "generate compiled the forward"
+
+
+def test_a_model_with_cuda_graphs_copies_and_pickles():
+    """``cuda_graphs=True`` wraps the fused model's forward (here on the CPU, where nothing is
+    captured and each decode step is counted as such): a deep copy gets a wrapper of its own,
+    a pickle is the eager model."""
+    model = causal_lm("qwen3", layers=2)
+    ids, mask = prompt(1)
+    expected = generate(model, ids, mask, "static")
+    with pytest.warns(UserWarning, match="without CUDA"):
+        fuser.apply(model, cuda_graphs=True)
+    assert torch.equal(generate(model, ids, mask, "static"), expected)
+    graphed = model.__dict__[cuda_graphs.GRAPHED_ATTR]
+    twin = copy.deepcopy(model)
+    assert twin.__dict__[cuda_graphs.GRAPHED_ATTR] is not graphed and twin.forward.model is twin
+    assert torch.equal(generate(twin, ids, mask, "static"), expected)
+    assert twin.forward.not_captured == {cuda_graphs.NOT_CUDA: NEW - 1}, twin.forward.not_captured
+    plain = pickle.loads(pickle.dumps(model))
+    assert "forward" not in plain.__dict__ and cuda_graphs.GRAPHED_ATTR not in plain.__dict__
+    assert torch.equal(generate(plain, ids, mask, "static"), expected)
