@@ -35,8 +35,6 @@ def fed_by_state(traced: Traced) -> set[fx.Node]:
                 fed.add(node)
             else:
                 from_state.add(node)  # an attribute read off the state: still the state
-        elif node.op == "call_function" and any(a in from_state for a in inputs):
-            from_state.add(node)
     return fed
 
 

@@ -49,20 +49,22 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
     """Fuse ``model`` layer by layer (see the module's docstring); None when it has no stack
     of repeated layers, each called once per forward with hidden states in and out. ``report``:
     the one to fill in (a lazily fused model's, :mod:`fuser.model.lazy_model`)."""
-    if not layer_stacks(model):
+    candidates = layer_stacks(model)
+    if not candidates:
         return None
     if model.__dict__.get(MODEL_ATTR, report) is not report:
         raise FuserError(f"{type(model).__name__} is already fused; call fuser.restore() first")
     options.pop("batch_inputs", None)  # the model's; each layer's follow the batch of its hidden states
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    stacks = decoder_stacks(model, args, kwargs)
+    calls = record_calls(model, args, kwargs, _watched(model, candidates))
+    stacks = decoder_stacks(candidates, calls)
     if not stacks:
         return None  # lists of experts or per-head norms, no stack of layers: the module is fused whole
+    if stacks != candidates:  # the modules around the stacks are others: a forward that watches them
+        calls = record_calls(model, args, kwargs, _watched(model, stacks))
     layers = [(f"{name}.{i}", layer) for name, stack in stacks for i, layer in enumerate(stack)]
     others = _other_submodules(model, {n for n, _ in stacks})
     parents = _stack_parents(model, [n for n, _ in stacks])
-    watched = [m for _, m in layers] + [m for _, m in others] + [m for _, m in parents]
-    calls = record_calls(model, args, kwargs, watched)
     if any(is_fused(m) for m in model.modules()):
         raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
     report = report if report is not None else ModelReport(type(model).__name__)
@@ -111,6 +113,15 @@ def restore(module: nn.Module) -> None:
             remove_copy_hooks(sub)
         return
     restore_module(module)
+
+
+def _watched(model: nn.Module, stacks) -> list[nn.Module]:
+    """The modules whose first call fusing ``stacks`` reads: every layer, the model's other
+    submodules and the stacks' parents."""
+    layers = [m for _, stack in stacks for m in stack]
+    others = _other_submodules(model, {n for n, _ in stacks})
+    parents = _stack_parents(model, [n for n, _ in stacks])
+    return layers + [m for _, m in others] + [m for _, m in parents]
 
 
 def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.Module]]:

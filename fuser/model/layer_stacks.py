@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fuser.model.recording import is_layer_call, record_calls
+from fuser.model.recording import is_layer_call
 
 
 def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -22,11 +22,9 @@ def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     ]  # fmt: skip
 
 
-def decoder_stacks(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, nn.ModuleList]]:
-    """The candidates that one forward of ``model`` on the call shows to be stacks of layers,
-    outermost only."""
-    candidates = layer_stacks(model)
-    calls = record_calls(model, args, kwargs, [m for _, stack in candidates for m in stack])
+def decoder_stacks(candidates: list[tuple[str, nn.ModuleList]], calls: dict) -> list[tuple[str, nn.ModuleList]]:
+    """The ``candidates`` that one forward's recorded ``calls`` (:func:`fuser.model.recording.record_calls`,
+    watching their modules) show to be stacks of layers, outermost only."""
     chained = [(name, stack) for name, stack in candidates if _chained([calls.get(id(m)) for m in stack])]
     return [(name, stack) for name, stack in chained if not any(name.startswith(f"{outer}.") for outer, _ in chained)]
 

@@ -8,6 +8,7 @@ from transformers import StableLmConfig, StableLmForCausalLM
 
 import fuser
 from fuser.model.layer_stacks import decoder_stacks, layer_stacks
+from fuser.model.recording import record_calls
 from fuser.validate.tolerance import LAYER, mismatch
 
 
@@ -23,7 +24,9 @@ def test_per_head_norm_lists_are_not_taken_for_layers_and_the_layer_is_fused_who
     inputs = dict(input_ids=torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(1)), use_cache=False)
     candidates = [name for name, _ in layer_stacks(model)]
     assert "model.layers.0.self_attn.q_layernorm.norms" in candidates, candidates
-    assert [name for name, _ in decoder_stacks(model, (), inputs)] == ["model.layers"]
+    stacks = layer_stacks(model)
+    calls = record_calls(model, (), inputs, [m for _, stack in stacks for m in stack])
+    assert [name for name, _ in decoder_stacks(stacks, calls)] == ["model.layers"]
     with torch.no_grad():
         expected = model(**inputs).logits
     report = fuser.apply(model, (), example_kwargs=inputs)
@@ -50,6 +53,7 @@ def test_a_list_whose_modules_do_not_pass_their_output_on_is_no_stack():
     model = Experts()
     x = torch.randn(4, 8)
     assert [name for name, _ in layer_stacks(model)] == ["experts"]
-    assert decoder_stacks(model, (x,), {}) == []
+    stacks = layer_stacks(model)
+    assert decoder_stacks(stacks, record_calls(model, (x,), {}, list(model.experts))) == []
     report = fuser.apply(model, (x,))
     assert not hasattr(report, "groups"), "fused whole, as one module"
