@@ -19,6 +19,7 @@ class FusedChain:
     launches_replaced: int
     path: str = ""  # where the kernel file is (the kernel directory emit chose)
     where: str = ""  # the submodule and source line of its first output (fuser.trace.refusal.source_of)
+    note: str = ""  # one op alone with a kernel of its own: why (fuser.regions.lone_ops)
 
 
 @dataclass
@@ -87,6 +88,8 @@ class Report:
             )
             kernel = _shown(c.path) if c.path else f"kernels/{c.kernel}.py"
             lines.append(f"  {'':<{pattern_w}} {kernel}  ({len(c.nodes)} nodes)" + (f"  at {c.where}" if c.where else ""))
+            if c.note:
+                lines.append(f"  {'':<{pattern_w}} {c.note}")
         lines += ["", f"rejected candidates ({len(self.rejected)}):"]
         rejected_w = max([len(r.pattern) for r in self.rejected] + [8])
         for r in self.rejected:

@@ -193,6 +193,7 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
                 outputs=[n.name for n in r.outputs],
                 launches_replaced=sum(eager_launches(cops[n]) for n in r.covered),
                 where=source_of(r.outputs[0]) if r.outputs else "",
+                note=r.note,
             )
         )
     for node in glue:

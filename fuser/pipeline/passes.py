@@ -8,7 +8,7 @@ the passes before it made) and returns it:
    as its kernel; a match that does not lower is a rejection naming the pattern;
 2. ``fuse_generic``: the glue no pattern took, grouped into regions (:mod:`fuser.regions.builder`),
    each lowered as a row program; an op that does not lower stays eager, the rest around it
-   is fused;
+   is fused; one op alone gets a kernel where :mod:`fuser.regions.lone_ops` says it is faster;
 3. ``widen``: single unfused ops pulled into the kernel next to them;
 4. ``merge``: a kernel with the kernel that reads its outputs, then kernels that read the same
    activation, while the union lowers as one row program;
@@ -67,7 +67,7 @@ def planning(module: torch.nn.Module, traced: Traced, cops: dict, patterns: list
     parameters = frozenset(
         n for n in traced.graph.nodes if n.op == "get_attr" and isinstance(traced.value(n), torch.nn.Parameter)
     )
-    return Planning(module, traced, cops, list(patterns), RegionBuilder(traced.graph, cops, parameters))
+    return Planning(module, traced, cops, list(patterns), RegionBuilder(traced.graph, cops, parameters, traced.value))
 
 
 def fuse_patterns(p: Planning) -> Planning:
@@ -84,9 +84,12 @@ def fuse_patterns(p: Planning) -> Planning:
 
 
 def fuse_generic(p: Planning) -> Planning:
-    """The glue no pattern took, in regions, each a row program (:func:`build`)."""
+    """The glue no pattern took, in regions, each a row program (:func:`build`); a lone op
+    left to PyTorch (:mod:`fuser.regions.lone_ops`) is reported with the reason."""
     for region in p.builder.generic(p.taken):
         build(p, region)
+    for node, why in p.builder.left_alone.items():
+        p.failed.setdefault(node, why)
     return p
 
 

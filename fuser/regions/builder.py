@@ -11,6 +11,11 @@ Then regions grow (:mod:`fuser.regions.growth`): they take in the unfused ops ne
 with one that reads their outputs or reads the same activation, and write a result that is
 only copied into a slice of another tensor there.
 
+A region of one op alone (a LayerNorm between a residual and a GEMM) saves no launch: it is
+made only where :mod:`fuser.regions.lone_ops` says fuser's kernel is faster than PyTorch's for
+that op (a table measured offline per GPU, else a default), and the decision is kept for the
+report either way.
+
 Every region must also be safe to run at one point of the program — the place of its last
 node, or else right after its last input is made: all its inputs exist there, all values it
 produces are used after it, and nothing between the chain's own reads of an input and that
@@ -27,6 +32,7 @@ from fuser.ir import ops
 from fuser.canon.canonicalize import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
 from fuser.match.matcher import Match, Rejection
 from fuser.pattern import is_hand_written
+from fuser.regions import lone_ops
 
 
 def row_template(nodes, cops) -> str:
@@ -49,6 +55,7 @@ class Region:
     # node -> the name a matched pattern's reference gives it (Match.names), for the kernel's
     # locals; a merged region has its parts'
     names: dict = field(default_factory=dict)
+    note: str = ""  # a region of one op alone: why it has a kernel (fuser.regions.lone_ops)
 
     @property
     def pattern(self) -> str:
@@ -87,8 +94,11 @@ class RegionBuilder:
     (:meth:`boundary`, :meth:`peel`, :meth:`drop_view_outputs`).
     """
 
-    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp], parameters: frozenset = frozenset()):
+    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp], parameters: frozenset = frozenset(), value_of=None):
         self.graph, self.cops = graph, cops
+        # node -> its traced value, for the lone-op decision (None: a lone op is never fused)
+        self.value_of = value_of
+        self.left_alone: dict[fx.Node, str] = {}  # lone op left to PyTorch -> why (lone_ops)
         self.parameters = parameters  # get_attr nodes of parameters: weights no leaf writes
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         self.alias = _alias_classes(graph, cops)
@@ -350,6 +360,26 @@ class RegionBuilder:
             return False
         return all(self.cops[a].kind == INPUT or self.recomputable(a) for a in cop.args if isinstance(a, fx.Node))
 
+    def alone(self, node: fx.Node) -> "lone_ops.Decision | None":
+        """Does ``node``, one op alone between ops that cannot share its kernel, get a kernel of
+        its own (:mod:`fuser.regions.lone_ops`)? None where the question does not arise: no
+        traced values to judge by, or a value of parameters alone (computed once at apply time)."""
+        if self.value_of is None or self._token_free(node):
+            return None
+        return lone_ops.forced_decision() or lone_ops.decide(node, self.cops[node], self.value_of)
+
+    def _token_free(self, node: fx.Node) -> bool:
+        """Is ``node`` computed from no graph input (parameters and constants alone)?"""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n.op == "placeholder":
+                return False
+            if n not in seen:
+                seen.add(n)
+                stack += n.all_input_nodes
+        return True
+
     def _place(self, nodes: list[fx.Node]) -> list[Region]:
         """Split a component until every part can run at one point of the program."""
         nodes = self.peel(sorted(nodes, key=self.order.get))
@@ -364,13 +394,22 @@ class RegionBuilder:
         covered = set(nodes) - recomputed
         position, _, cut = self.placement(covered, inputs, outputs) if covered else (None, "", 0)
         if position is not None:
-            if sum(1 for n in covered if self.cops[n].kind == COMPUTE) < 2 and not self._copied(outputs):
-                return []  # one op alone gains nothing from a kernel of its own
+            computing = [n for n in covered if self.cops[n].kind == COMPUTE]
+            note = ""
+            if len(computing) < 2 and not self._copied(outputs):
+                # One op alone saves no launch: a kernel of its own only where it is faster.
+                decision = self.alone(computing[0]) if computing else None
+                if decision is None or not decision.fuse:
+                    if decision is not None:
+                        self.left_alone[computing[0]] = decision.why
+                    return []
+                note = decision.why
             template = row_template(nodes, self.cops)
             # A node folded into another (sum into mean) is computed by that one.
             absorbed = {c for n in nodes for c in self.cops[n].covers[1:]}
             lowered = [n for n in lowered if n not in absorbed]
-            region = self.drop_view_outputs(Region(lowered, inputs, outputs, template, None, covered, position))
+            region = Region(lowered, inputs, outputs, template, None, covered, position, note=note)
+            region = self.drop_view_outputs(region)
             self.commit(region)
             return [region]
         before = [n for n in nodes if self.order[n] < cut]

@@ -67,7 +67,7 @@ def _grown(builder: RegionBuilder, region: Region, current: Region, node: fx.Nod
     position, _, _ = builder.placement(covered, inputs, outputs)
     if position is None:
         return None
-    grown = Region(nodes, inputs, outputs, region.template, region.match, covered, position, names=region.names)
+    grown = Region(nodes, inputs, outputs, region.template, region.match, covered, position, names=region.names, note=region.note)
     return builder.drop_view_outputs(grown)
 
 
@@ -131,7 +131,8 @@ def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:
     parts = (a.parts or (a.pattern,)) + (b.parts or (b.pattern,))
     params = {**a.qualified_params(), **b.qualified_params()}
     names = {**b.names, **a.names}  # a value both name (an input they share) keeps the first part's name
-    region = Region(nodes, inputs, outputs, template, None, covered, position, parts, params, names=names)
+    note = "; ".join(dict.fromkeys(r.note for r in (a, b) if r.note))  # lone ops fused alone, now together
+    region = Region(nodes, inputs, outputs, template, None, covered, position, parts, params, names=names, note=note)
     return builder.drop_view_outputs(region)
 
 
