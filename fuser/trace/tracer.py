@@ -105,6 +105,11 @@ class ShadowTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         if self._eager_depth:
             return forward(*args, **kwargs)
+        if not self._installed(m):
+            # A module the traced code made (transformers' ``ACT2FN[name]`` makes a fresh
+            # activation at each lookup): eager makes it anew at every call, so it is no state
+            # of the module and is traced through, its weights (if any) read as the values made.
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as e:
@@ -115,9 +120,26 @@ class ShadowTracer(fx.Tracer):
                 e._fuser_where = error_location(e)
             raise
 
+    def _installed(self, m: torch.nn.Module) -> bool:
+        """Is ``m`` the traced module or one of its submodules (rather than made by the code)?"""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
+
     def create_arg(self, a):
         if issubclass(type(a), fx.Proxy):  # before fx's own isinstance() probes
             return a.node
+        if isinstance(a, torch.nn.Parameter) and not self._eager_depth and id(a) not in self._attr_names:
+            a = a.detach()  # a weight of a module the traced code made: a value given as itself
+        if isinstance(a, torch.nn.Module) and not self._eager_depth and not self._installed(a):
+            # A module the traced code made (``ACT2FN[name]``) passed on: read as the object.
+            name = self.get_fresh_qualname("_constant_")
+            object.__setattr__(self.root, name, a)  # (not registered: the trace leaves the module as it was)
+            node = self.create_node("get_attr", name, (), {})
+            self.shadows[node.name] = (a, a)
+            return node
         if isinstance(a, torch.nn.Module) and not self._eager_depth:
             # A submodule passed to a function (transformers' attention interface takes the
             # attention module): an attribute read, with the module as its shadow value.
