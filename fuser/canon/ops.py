@@ -1,10 +1,12 @@
 """ops: the canonical form of ops with more than one spelling or a result in parts: top-k,
 GELU, masked_fill, layer_norm, max/min along a dim, sort, histc, cumsum, stack,
-repeat_interleave, and constants. Each function takes the canonicaliser
+repeat_interleave, repeat, pad, p-norms, index_add, and constants. Each function takes the canonicaliser
 (:class:`fuser.canon.canonicalize.Canonicalizer`) explicitly and is registered under the op
 name it canonicalises (:mod:`fuser.canon.registry`)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -108,12 +110,111 @@ def histc(cz, node):
 @canonical("cumsum", any_dtype=True)
 def cumsum(cz, node):
     """``torch.cumsum(x, dim, dtype=)``: the dim and the dtype of the result (with or
-    without ``dtype=``) are attributes."""
+    without ``dtype=``) are attributes. A float running sum along a non-token axis of a float
+    value is computed in a row program (a scan over the block's axis); integer counts
+    (expert offsets) are read only by a hand-written template."""
     params = bound_args(node, ("input", "dim"))
     x, dim = params.get("input"), params.get("dim")
     rank = cz.value(node).dim()
     attrs = {"dim": dim % rank if isinstance(dim, int) and rank else dim, "dtype": cz.value(node).dtype}
+    src = cz.value(x) if isinstance(x, fx.Node) else None
+    if (
+        isinstance(src, torch.Tensor) and isinstance(dim, int) and rank and src.dtype in _FLOATS
+        and attrs["dtype"] in _FLOATS and dim % rank not in cz.batch_dims(x)
+    ):  # fmt: skip
+        return cz.make(node, "cumsum", COMPUTE, (x,), {"dim": (dim % rank,)})
     return cz.make(node, "cumsum", UNSUPPORTED, (x,), attrs)
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@canonical("norm", "linalg_vector_norm")
+def vector_norm(cz, node):
+    """``torch.norm(x, p, dim)``, ``x.norm(p, dim)``, ``torch.linalg.vector_norm(x, ord, dim)``:
+    a p-norm (p any number, inf or -inf; ``"fro"`` is 2) along non-token axes, as
+    ``vector_norm`` with attribute ``ord``. A matrix norm (``"nuc"``), a norm over every dim
+    (the tokens among them) or one with ``dtype=`` stays eager."""
+    names = ("input", "ord", "dim", "keepdim") if op_name(node) == "linalg_vector_norm" else ("input", "p", "dim", "keepdim")
+    params = bound_args(node, names)
+    x, p = params.get("input"), params.get("ord", params.get("p", 2))
+    dim, keepdim = params.get("dim"), params.get("keepdim", False)
+    p = 2 if p == "fro" else p
+    rank = cz.value(x).dim() if isinstance(x, fx.Node) else 0
+    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else None
+    if (
+        not rank or dims is None or not dims or not all(isinstance(d, int) for d in dims)
+        or isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p)
+        or params.get("dtype") is not None or params.get("out") is not None
+        or {d % rank for d in dims} & set(cz.batch_dims(x)) or not isinstance(keepdim, bool)
+    ):  # fmt: skip
+        return cz.make(node, "vector_norm", UNSUPPORTED, tensor_args(node))
+    attrs = {"dim": tuple(sorted({d % rank for d in dims})), "keepdim": keepdim, "ord": float(p)}
+    return cz.make(node, "vector_norm", COMPUTE, (x,), attrs)
+
+
+@canonical("repeat")
+def repeat(cz, node):
+    """``x.repeat(r0, r1, ...)`` with constant repeats, one per dim, the tokens' 1: along the
+    last axis alone it is a concatenation of ``x`` with itself (``cat((x,) * r, -1)``);
+    along others a ``repeat`` (element j of a repeated axis of n is the source's j % n)."""
+    repeats = node.args[1:] if len(node.args) > 1 else node.kwargs.get("repeats", ())
+    if len(repeats) == 1 and isinstance(repeats[0], (tuple, list, torch.Size)):
+        repeats = tuple(repeats[0])
+    x = node.args[0]
+    rank = cz.value(x).dim() if isinstance(x, fx.Node) else -1
+    if (
+        len(repeats) != rank or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in repeats)
+        or any(repeats[d] != 1 for d in cz.batch_dims(x))
+    ):  # fmt: skip
+        return cz.make(node, "repeat", UNSUPPORTED, tensor_args(node))
+    if all(r == 1 for r in repeats[:-1]):
+        return cz.make(node, "cat", COMPUTE, (x,) * repeats[-1], {"dim": rank - 1})
+    return cz.make(node, "repeat", COMPUTE, (x,), {"repeats": tuple(repeats)})
+
+
+@canonical("pad")
+def pad(cz, node):
+    """``F.pad(x, (left, right), value=v)`` (mode "constant"; pairs for earlier dims all
+    zero): the last axis widened by ``left`` and ``right`` columns of ``v``. A negative pad
+    (a crop), another mode or a padded token dim stays eager."""
+    params = bound_args(node, ("input", "pad", "mode", "value"))
+    x, widths = params.get("input"), params.get("pad")
+    mode, value = params.get("mode", "constant"), params.get("value")
+    value = 0.0 if value is None else value
+    rank = cz.value(x).dim() if isinstance(x, fx.Node) else 0
+    if (
+        not rank or not isinstance(widths, (tuple, list)) or len(widths) < 2 or len(widths) % 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths) or any(widths[2:])
+        or min(widths[:2]) < 0 or mode != "constant" or isinstance(value, bool)
+        or not isinstance(value, (int, float)) or rank - 1 in cz.batch_dims(x)
+    ):  # fmt: skip
+        return cz.make(node, "pad", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "pad", COMPUTE, (x,), {"left": widths[0], "right": widths[1], "value": float(value)})
+
+
+@canonical("index_add")
+def index_add(cz, node):
+    """``x.index_add(dim, index, source, alpha=a)`` along the last axis (not the tokens), the
+    index a 1-D integer tensor that does not follow the tokens: each column of ``x`` plus the
+    columns of ``source`` the index sends there (repeats summed), as ``index_add_last``. Along
+    the tokens it writes rows that other programs own, and stays eager."""
+    params = bound_args(node, ("input", "dim", "index", "source"))
+    x, dim, index, source = (params.get(k) for k in ("input", "dim", "index", "source"))
+    alpha = params.get("alpha", 1)
+    if not all(isinstance(a, fx.Node) for a in (x, index, source)) or not isinstance(dim, int):
+        return cz.make(node, "index_add", UNSUPPORTED, tensor_args(node))
+    src, idx, rows = cz.value(x), cz.value(index), cz.value(source)
+    rank = src.dim()
+    if rank and dim % rank in cz.batch_dims(x):
+        return cz.make(node, "index_add over tokens", UNSUPPORTED, tensor_args(node))
+    if (
+        not rank or dim % rank != rank - 1 or idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32)
+        or cz.batch_dims(index) or rows.dim() != rank or rows.shape[:-1] != src.shape[:-1]
+        or isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+    ):  # fmt: skip
+        return cz.make(node, "index_add", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "index_add_last", COMPUTE, (x, index, source, float(alpha)))
 
 
 @canonical("stack")

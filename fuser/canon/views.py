@@ -199,7 +199,37 @@ def gather(cz, node):
             and rank - 1 not in cz.batch_dims(x)
         ):  # fmt: skip
             return cz.make(node, "gather_last", COMPUTE, (x, index))
+        rows = _per_row_index(cz, index, src)
+        if dim % max(rank, 1) == 0 and rows is not None and _row_gather(cz, x, rows):
+            return cz.make(node, "gather_rows", COMPUTE, (x, rows))  # the index repeats one position per row
     return cz.make(node, "gather", UNSUPPORTED, tensor_args(node))
+
+
+def _per_row_index(cz, index, table):
+    """``positions`` when ``index`` is ``positions[:, None].expand(-1, *table.shape[1:])`` (or
+    ``unsqueeze(-1).expand_as(...)``): ``torch.gather(table, 0, index)`` is then a row gather
+    ``table[positions]``. None otherwise."""
+    idx = cz.value(index)
+    if not isinstance(idx, torch.Tensor) or idx.dim() != table.dim() or tuple(idx.shape[1:]) != tuple(table.shape[1:]):
+        return None
+    node = index
+    while isinstance(node, fx.Node) and cz.cops.get(node) is not None and cz.cops[node].op in ("expand", "reshape", "identity"):
+        node = cz.cops[node].args[0]
+        value = cz.value(node)
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            return node if value.shape[0] == idx.shape[0] else None
+    return None
+
+
+@canonical("index_select")
+def index_select(cz, node):
+    """``torch.index_select(table, 0, positions)``: a row gather ``table[positions]``."""
+    params = bound_args(node, ("input", "dim", "index"))
+    x, dim, index = params.get("input"), params.get("dim"), params.get("index")
+    if isinstance(x, fx.Node) and isinstance(dim, int) and cz.value(x).dim() and dim % cz.value(x).dim() == 0:
+        if _row_gather(cz, x, index):
+            return cz.make(node, "gather_rows", COMPUTE, (x, index))
+    return cz.make(node, "index_select", UNSUPPORTED, tensor_args(node))
 
 
 @canonical("scatter")

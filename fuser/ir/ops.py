@@ -223,6 +223,8 @@ _ENTRIES = [
     Op("softmax", NORMALIZATION, 1, lowering="softmax", params=("dim",)),
     Op("log_softmax", NORMALIZATION, 1, lowering="softmax", params=("dim",)),
     Op("layer_norm", NORMALIZATION, 3, lowering="layer_norm", params=("normalized_shape", "weight", "bias", "eps")),
+    Op("cumsum", NORMALIZATION, 1, lowering="cumsum", params=("dim",)),  # a running sum along a short axis
+    Op("vector_norm", REDUCTION, 1, lowering="vector_norm", params=_REDUCE),  # attribute ``ord``: 1, 2, inf, p
     # layout
     Op("reshape", LAYOUT, 1, lowering="layout"),
     Op("expand", LAYOUT, 1, lowering="layout"),
@@ -230,6 +232,8 @@ _ENTRIES = [
     Op("cat", LAYOUT, None, lowering="pairs_and_parts", whole_block=True),
     Op("stack", LAYOUT, None, lowering="stack", whole_block=True),
     Op("repeat_interleave", LAYOUT, 1, lowering="repeat_interleave", params=("repeats", "dim"), whole_block=True),
+    Op("repeat", LAYOUT, 1, lowering="repeat", whole_block=True),  # x.repeat(...) along non-token axes
+    Op("pad", LAYOUT, 1, lowering="pad", whole_block=True),  # F.pad(x, (left, right), value=v) on the last axis
     Op("view_as_complex", LAYOUT, 1, lowering="pairs_and_parts", whole_block=True),
     Op("view_as_real", LAYOUT, 1, lowering="pairs_and_parts", whole_block=True),
     Op("conj", LAYOUT, 1, lowering="pairs_and_parts", whole_block=True),
@@ -237,6 +241,7 @@ _ENTRIES = [
     Op("gather_rows", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
     Op("gather_last", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
     Op("scatter_last", INDEX, 3, lowering="scatter_last", whole_block=True),  # x.scatter(-1, index, value)
+    Op("index_add_last", INDEX, 3, lowering="index_add_last", whole_block=True),  # x.index_add(-1, index, source)
     Op("group_rows", INDEX, 1, lowering="group_rows", whole_block=True),  # a row gather's rows, k per token
     Op("topk", INDEX, 1, lowering="topk", whole_block=True),
     Op("topk_values", INDEX, 1, lowering="pairs_and_parts", whole_block=True),

@@ -43,6 +43,19 @@ def remapped(lw, node: fx.Node) -> str | None:
     return value if dtype in (torch.float32, torch.bool) else f"{value}.to(tl.float32)"
 
 
+def shifted(lw, node: fx.Node, shift: int, width: int) -> str | None:
+    """``node``'s value at columns ``c + shift`` for ``c`` in ``[0, width)`` (zero where it has
+    no column), in fp32, each value on its way computed again there (a padded value's source);
+    None when one cannot be (the lines written on the way are dropped then)."""
+    lines = len(lw.lines)
+    try:
+        value, dtype = _at(lw, node, shift, width, {})
+    except _NotRemappable:
+        del lw.lines[lines:]
+        return None
+    return value if dtype in (torch.float32, torch.bool) else f"{value}.to(tl.float32)"
+
+
 def _at(lw, node: fx.Node, shift: int, width: int, done: dict) -> tuple[str, torch.dtype]:
     """(local, dtype) of ``node``'s value at columns ``c + shift`` for ``c`` in ``[0, width)``
     (its other axes as they are); a value one column wide, as it is."""

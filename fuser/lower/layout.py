@@ -1,6 +1,6 @@
 """layout: lowerings of ops that move values in a row program's registers: casts, broadcasts
-and reshapes, constants, stacks and repeats, slices and concatenations, complex pairs, gathers
-and scatters along the last axis. Each takes the lowerer (:class:`fuser.lower.lowerer.Lowerer`)
+and reshapes, constants, stacks and repeats, pads, slices and concatenations, complex pairs,
+gathers, scatters and index adds along the last axis. Each takes the lowerer (:class:`fuser.lower.lowerer.Lowerer`)
 explicitly."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.fx as fx
 
 from fuser.canon.canonicalize import COp
-from fuser.lower.concat import remapped
-from fuser.lower.code import ONE_HOT_LIMIT, LoweringError, Segments, expanded, rounded, selected, shape_literal
+from fuser.lower.concat import remapped, shifted
+from fuser.lower.code import INDEX_DTYPES, ONE_HOT_LIMIT, LoweringError, Segments, expanded, rounded, selected, shape_literal
 from fuser.lower.registry import lowering
 from fuser.lower.row_gathers import gather_rows
 from fuser.lower.tiling import inserted_axes, pow2
@@ -73,6 +73,59 @@ def repeat_interleave(lw, node: fx.Node, cop: COp):
     if lw.traced.value(node).dtype == torch.bool:
         expr = f"({expr}) != 0"
     return lw.emit(node, expr)
+
+
+@lowering("repeat")
+def repeat(lw, node: fx.Node, cop: COp):
+    """``src.repeat(r0, r1, ...)`` (not along the last axis alone: that is a concatenation):
+    along each repeated axis of n, element j is the source's j % n, picked by a one-hot sum
+    over the source's axis, one axis at a time."""
+    src = cop.args[0]
+    offset = len(lw.traced.value(node).shape) - len(lw.block_shape(node))
+    expr, shape = lw.f32(src), list(lw.padded(src))
+    sizes, out = lw.block_shape(src), lw.padded(node)
+    rank = len(shape)
+    for axis, times in enumerate(cop.attr("repeats")[offset:]):
+        if times == 1:
+            continue
+        if math.prod(shape) * out[axis] > ONE_HOT_LIMIT:
+            raise LoweringError(f"`{node.name}`: repeating a {tuple(shape)} block is too large to do in registers")
+        source = expanded(f"tl.arange(0, {shape[axis]})", axis, rank + 1)
+        wanted = expanded(f"tl.arange(0, {out[axis]})", axis + 1, rank + 1)
+        spread = f"tl.expand_dims({expr}, {axis + 1})"
+        picked = selected(f"{source} == {wanted} % {sizes[axis]}", spread, axis)
+        expr = lw.local(f"{node.name}_{axis}")
+        lw.lines.append(f"{expr} = {picked}  # {node.name}: axis {axis} repeated {times} times")
+        shape[axis] = out[axis]
+    if lw.traced.value(node).dtype == torch.bool:
+        expr = f"({expr}) != 0"
+    return lw.emit(node, expr, layout_only=lw.traced.value(node).dtype == lw.dtypes[src])
+
+
+@lowering("pad")
+def pad(lw, node: fx.Node, cop: COp):
+    """``F.pad(src, (left, right), value=v)``: column c is the source's c - left inside it,
+    else v; the source's columns placed with a one-hot sum when that is small enough, else
+    read again at the shifted columns (:func:`fuser.lower.concat.shifted`)."""
+    src = cop.args[0]
+    left, value = cop.attr("left"), cop.attr("value")
+    shape, out = lw.padded(src), lw.padded(node)
+    rank, width = len(shape), lw.block_shape(src)[-1]
+    cols = expanded(f"tl.arange(0, {out[-1]})", rank - 1, rank)
+    if math.prod(shape) * out[-1] <= ONE_HOT_LIMIT:
+        own = expanded(f"tl.arange(0, {shape[-1]})", rank, rank + 1)
+        wanted = expanded(f"tl.arange(0, {out[-1]})", rank - 1, rank + 1)
+        spread = f"tl.expand_dims({lw.f32(src)}, {rank - 1})"
+        placed = selected(f"{own} == {wanted} - {left}", spread, rank)
+    else:
+        placed = shifted(lw, src, -left, out[-1])
+        if placed is None:
+            raise LoweringError(
+                f"`{node.name}`: padding a {tuple(shape)} block is too large for registers, and its source cannot be "
+                "read again at shifted columns"
+            )
+    inside = f"({cols} >= {left}) & ({cols} < {left + width})" if left else f"({cols} < {width})"
+    return lw.emit(node, f"tl.where({inside}, {placed}, {lw.f32(value)})")
 
 
 def moved(lw, node: fx.Node, cop: COp, src: str) -> str:
@@ -272,6 +325,30 @@ def scatter_last(lw, node: fx.Node, cop: COp):
         hits += f" & {expanded(f'(tl.arange(0, {picks[-1]}) < {width})', rank - 1, rank + 1)}"
     listed = f"tl.max(({hits}).to(tl.int32), axis={rank - 1}) > 0"
     return lw.emit(node, f"tl.where({listed}, {float(value)!r}, {lw.f32(src)})")
+
+
+@lowering("index_add_last")
+def index_add_last(lw, node: fx.Node, cop: COp):
+    """``x.index_add(-1, index, source, alpha=a)``: column c of x plus a times the sum of the
+    source's columns j with index[j] == c (a one-hot sum over j, in fp32, rounded once;
+    padded and out-of-range indices name no column)."""
+    x, index, source, alpha = cop.args
+    if lw.block_shape(index) != lw.block_shape(index)[-1:] or lw.dtypes.get(index) not in INDEX_DTYPES:
+        raise LoweringError(f"`{node.name}`: the index of an index_add must be one integer list of positions")
+    shape = lw.padded(x)
+    rank, picks = len(shape), lw.padded(index)[-1]
+    if math.prod(shape) * picks > ONE_HOT_LIMIT:
+        raise LoweringError(f"`{node.name}`: adding into a {shape} block at {picks} positions is too large for registers")
+    cols = expanded(f"tl.arange(0, {shape[-1]})", rank - 1, rank + 1)
+    wanted = expanded(lw.names[index], rank, rank + 1)
+    real = lw.block_shape(index)[-1]
+    hits = f"({cols} == {wanted})"
+    if picks != real:
+        hits += f" & {expanded(f'(tl.arange(0, {picks}) < {real})', rank, rank + 1)}"
+    spread = f"tl.expand_dims({lw.f32(source)}, {rank - 1})"
+    added = selected(hits, spread, rank)
+    scale = "" if alpha == 1 else f" * {alpha!r}"
+    return lw.emit(node, f"{lw.f32(x)} + {added}{scale}")
 
 
 def _complex(lw, arg) -> tuple[str, str | None]:

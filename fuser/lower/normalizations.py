@@ -1,5 +1,5 @@
 """normalizations: lowerings that combine values along an axis of the block and keep its
-shape: softmax and log_softmax, layer norm. Each takes the lowerer
+shape: softmax and log_softmax, layer norm, running sums. Each takes the lowerer
 (:class:`fuser.lower.lowerer.Lowerer`) explicitly."""
 
 from __future__ import annotations
@@ -52,3 +52,13 @@ def layer_norm(lw, node: fx.Node, cop: COp):
     if bias is not None:
         expr = f"{expr} + {lw.f32(bias)}"
     return lw.emit(node, expr)
+
+
+@lowering("cumsum")
+def cumsum(lw, node: fx.Node, cop: COp):
+    """``torch.cumsum`` along a non-token axis of the block, whole in one program: a scan in
+    fp32 (as PyTorch accumulates a bf16 or fp16 running sum), rounded once. Padded lanes come
+    after the real ones (zeros, masked), so they never reach a real lane's sum."""
+    src = cop.args[0]
+    (axis,) = reduced_axes(lw, node, cop)
+    return lw.emit(node, f"tl.cumsum({lw.masked(src, '0.0')}, axis={axis})")

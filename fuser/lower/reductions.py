@@ -1,5 +1,5 @@
 """reductions: lowerings that combine values along an axis of the block: sums, means and
-extrema (products only summed are never built), argmax / argmin, and top-k. Each takes the
+extrema (products only summed are never built), p-norms, argmax / argmin, and top-k. Each takes the
 lowerer (:class:`fuser.lower.lowerer.Lowerer`) explicitly; softmax and layer norm, which keep
 their input's shape, are :mod:`fuser.lower.normalizations`."""
 
@@ -139,6 +139,38 @@ def reduce(lw, node: fx.Node, cop: COp):
     if cop.op == "mean":
         count = math.prod(shape[a] for a in axes)
         expr = f"{expr} / {float(count)!r}"
+    return lw.emit(node, expr)
+
+
+@lowering("vector_norm")
+def vector_norm(lw, node: fx.Node, cop: COp):
+    """``torch.linalg.vector_norm(x, p, dim)`` in fp32, rounded once: the largest |x| for inf
+    (the smallest for -inf), the count of non-zeros for 0, ``sum |x|`` for 1,
+    ``sqrt(sum x^2)`` for 2, else ``(sum |x|^p)^(1/p)`` (an |x| of 0 gives a term of 0 for
+    p > 0, of inf for p < 0, as PyTorch)."""
+    src = cop.args[0]
+    axes = reduced_axes(lw, node, cop)
+    p, x, mask = cop.attr("ord"), lw.f32(src), lw.mask(src)
+    magnitude = f"tl.abs({x})"
+    if p in (math.inf, -math.inf):
+        fn, term, fill = ("tl.max", magnitude, "0.0") if p > 0 else ("tl.min", magnitude, "float('inf')")
+    elif p == 0:
+        fn, term, fill = "tl.sum", f"({x} != 0).to(tl.float32)", "0.0"
+    elif p == 1:
+        fn, term, fill = "tl.sum", magnitude, "0.0"
+    elif p == 2:
+        fn, term, fill = "tl.sum", f"{x} * {x}", "0.0"
+    else:
+        fn, term, fill = "tl.sum", f"tl.exp2({p!r} * tl.log2({magnitude}))", "0.0"
+    expr = f"tl.where({mask}, {term}, {fill})" if mask else term
+    for axis in sorted(axes, reverse=True):
+        expr = f"{fn}({expr}, axis={axis})"
+        if cop.attr("keepdim"):
+            expr = f"tl.expand_dims({expr}, {axis})"
+    if p == 2:
+        expr = f"tl.sqrt_rn({expr})"
+    elif p not in (0, 1, math.inf, -math.inf):
+        expr = f"tl.exp2(tl.log2({expr}) * {1 / p!r})"
     return lw.emit(node, expr)
 
 

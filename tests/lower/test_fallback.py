@@ -165,7 +165,7 @@ class Around(nn.Module):
 
 
 UNLOWERED = {
-    "cumsum": (lambda a: torch.cumsum(a, -1), "cumsum"),
+    "cumprod": (lambda a: torch.cumprod(a, -1), "cumprod"),
     "sort": (lambda a: torch.sort(a, dim=-1).values, "sort"),
     "atan": (torch.atan, "atan"),
     "sign": (torch.sign, "sign"),
