@@ -94,7 +94,7 @@ def plan(
     report.launches_before += sum(r.copies_removed for r in traced.attention_calls)  # eager still makes them
     for leaf in report.automatic_leaves:
         if leaf["name"] in f.cache_writes:
-            leaf["reason"] += "; a plain layer of transformers' StaticCache is written by one kernel (fuser.install.kv_cache)"
+            leaf["reason"] += "; a layer of transformers' StaticCache (plain or sliding-window) is written by one kernel (fuser.install.kv_cache)"
     report.free_sizes = {name: list(dims) for name, dims in f.free.items()}
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
