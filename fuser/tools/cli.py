@@ -262,16 +262,23 @@ def cmd_bench(args) -> int:
     return OK
 
 
+TUNE_TOKENS = "8,256"
+
+
 def cmd_tune(args) -> int:
     import torch
 
     if not torch.cuda.is_available():
         raise UsageError("tune times kernels on a CUDA GPU and there is none here")
+    if args.lone_ops:
+        return _tune_lone_ops(args)
+    if not args.target:
+        raise UsageError("tune needs FILE.py:FACTORY (or --lone-ops, which times ops alone and needs none)")
     from fuser.tools import bench
     from fuser.codegen.launch_config import TABLE_DIR, current_gpu
     from fuser.tools.tune import tune, write_table
 
-    tokens = tuple(int(t) for t in args.tokens.split(","))
+    tokens = tuple(int(t) for t in (args.tokens or TUNE_TOKENS).split(","))
     module, inputs, kwargs = build(args.target, T=max(tokens), device="cuda")
     entries = tune(module, inputs, kwargs, tokens)
     about = {**bench.stamp(), "tokens": list(tokens)}
@@ -281,6 +288,38 @@ def cmd_tune(args) -> int:
         _say(args, json.dumps({"table": str(path), "gpu": current_gpu(), **about, "entries": entries}, indent=2, default=str))
         return OK
     _say(args, f"wrote {path}: {len(entries)} kernels; the heuristic is within 10% of the best on {len(entries) - len(slow)}")
+    if args.out:
+        _say(args, f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
+    return OK
+
+
+def _tune_lone_ops(args) -> int:
+    """``fuser tune --lone-ops``: the lone-op table of this GPU (fuser.tools.tune_lone_ops)."""
+    if args.target:
+        raise UsageError("tune --lone-ops times ops alone; it takes no FILE.py:FACTORY")
+    from fuser.tools import bench
+    from fuser.codegen.launch_config import TABLE_DIR, current_gpu
+    from fuser.tools import tune_lone_ops as lone
+
+    def numbers(text, default):
+        return tuple(int(t) for t in text.split(",")) if text else default
+
+    def names(text):
+        return tuple(t.strip() for t in text.split(",") if t.strip()) if text else None
+
+    tokens = numbers(args.tokens, lone.DECODE_TOKENS)
+    try:
+        entries = lone.measure_all(names(args.ops), numbers(args.widths, lone.STANDARD_WIDTHS), names(args.dtypes), tokens,
+                                   log=lambda line: _say(args, line) if not args.json else None)  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    about = {**bench.stamp(), "tokens": list(tokens)}
+    path = lone.write_table(entries, Path(args.out) if args.out else TABLE_DIR, current_gpu(), about)
+    if args.json:
+        _say(args, json.dumps({"table": str(path), "gpu": current_gpu(), **about, "entries": entries}, indent=2, default=str))
+        return OK
+    fused = sum(e["fused"] for e in entries)
+    _say(args, f"wrote {path}: {len(entries)} ops alone, {fused} faster as fuser's kernel than PyTorch's")
     if args.out:
         _say(args, f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
     return OK
@@ -338,8 +377,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="bench", help="file name stem of the results (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the results as JSON (the files are written as well)")
     p = command("tune", cmd_tune, "choose each fused kernel's warps on this GPU, offline; writes a launch table")
-    p.add_argument("target", metavar="FILE.py:FACTORY", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
-    p.add_argument("--tokens", default="8,256", help="token counts to time at, comma-separated (default: %(default)s)")
+    p.add_argument("target", metavar="FILE.py:FACTORY", nargs="?", help="FACTORY(T=..., device='cuda') -> (module, inputs)")
+    p.add_argument("--tokens", help=f"token counts to time at, comma-separated (default: {TUNE_TOKENS}; with --lone-ops 1,2,4,8,16)")
+    p.add_argument("--lone-ops", action="store_true", help="time ops alone (LayerNorm, GELU, softmax, ...) against PyTorch's "
+                   "and write <GPU>-lone_ops.json, which decides whether a lone op gets a kernel of its own")
+    p.add_argument("--ops", help="with --lone-ops: op kinds, comma-separated (default: the standard set)")
+    p.add_argument("--widths", help="with --lone-ops: row widths, comma-separated (default: 64 to 8192)")
+    p.add_argument("--dtypes", help="with --lone-ops: dtypes, comma-separated (default: each op's)")
     p.add_argument("--out", metavar="DIR", help="directory of the table (default: fuser's own launch_configs/)")
     p.add_argument("--json", action="store_true", help="print the table written and its entries as JSON")
     p = command("test-pattern", cmd_test_pattern, "golden-test a pattern file on its own; exit 1 on mismatch, 2 if invalid")

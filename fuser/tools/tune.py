@@ -7,7 +7,8 @@ the module's own recorded inputs at each token count, timed as a CUDA graph of b
 launches, and the count with the least total time is kept. The table (``<GPU>.json``) is
 merged into ``DIR`` (default: ``fuser/launch_configs/``); point ``$FUSER_LAUNCH_CONFIGS`` at
 a directory of your own to have fuser read it (:mod:`fuser.codegen.launch_config`). Serving never
-benchmarks. Each entry also records the heuristic's choice and its time against the best, so
+benchmarks. ``fuser tune --lone-ops`` writes the other table, of ops alone
+(:mod:`fuser.tools.tune_lone_ops`). Each entry also records the heuristic's choice and its time against the best, so
 a table doubles as a check of the heuristic.
 """
 
@@ -40,9 +41,12 @@ def time_launches_us(launch, args, launches: int = 10, replays: int = 20, warmup
     return replay_time_us(graph, replays) / launches
 
 
-def _rows(args, operands, T: int):
+def token_rows(args, operands, T: int):
     """The first T token rows of each input that has them."""
     return [a[:T] if op.has_rows and not op.broadcast_rows else a for a, op in zip(args, operands)]
+
+
+_rows = token_rows  # the name benchmarks/probe_tiles.py imports
 
 
 def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log: Callable = print) -> list[dict]:
@@ -69,7 +73,7 @@ def tune_plans(plans: dict, tokens: tuple[int, ...], root: torch.nn.Module, log:
             for warps in WARPS:
                 _, launch = emit(replace(spec, warps=warps))
                 times[warps] = {
-                    T: round(time_launches_us(launch, _rows(args, spec.inputs, T) + [t[:T] for t in targets]), 3)
+                    T: round(time_launches_us(launch, token_rows(args, spec.inputs, T) + [t[:T] for t in targets]), 3)
                     for T in tokens
                 }  # fmt: skip
             best = min(WARPS, key=lambda w: sum(times[w].values()))
