@@ -11,8 +11,14 @@ initialised, the new states of its dtype and sizes) it writes the keys and value
 cache's length in one kernel, reading the length on the device, and the same kernel adds to
 the length as transformers does: the last of its programs to finish (an atomic count of the
 programs done, kept beside the length and back at zero after each call) stores it, when every
-other program has read it. It returns the layer's tensors. Any other cache, layer or call runs
-``past_key_values.update`` itself.
+other program has read it. It returns the layer's tensors.
+
+A sliding-window layer (``StaticSlidingWindowLayer``) is written the same way while the window
+is not full after the step; once it is full, a one-token step moves its rows up by one and
+writes the new one last, as transformers' roll does but with no index made on the host (which
+no CUDA graph could capture). Either way its Python count of tokens moves on as transformers'
+does. A step in which the window fills up (transformers concatenates) runs transformers' update.
+Any other cache, layer or call runs ``past_key_values.update`` itself.
 
 As in transformers, the length is not checked against the cache's size on the host (that
 would be a device sync in every step). transformers' own write past the end fails on the
@@ -32,7 +38,8 @@ import triton.language as tl
 
 from fuser.codegen.emit import forbid_compile_during_capture
 
-_CACHE_MODULE = "transformers.cache_utils"
+CACHE_MODULE = "transformers.cache_utils"
+STATIC_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")  # of CACHE_MODULE: the layers the kernel writes
 
 
 @triton.jit
@@ -70,14 +77,15 @@ forbid_compile_during_capture(_write_at_length, Path(__file__))
 
 def _plain_layer(cache, layer_idx):
     """Layer ``layer_idx`` of ``cache`` when ``cache`` is transformers' ``StaticCache`` and the
-    layer a plain ``StaticLayer`` (not a sliding-window one), else None."""
-    if type(cache).__name__ != "StaticCache" or type(cache).__module__ != _CACHE_MODULE or not isinstance(layer_idx, int):
+    layer a ``StaticLayer`` or a ``StaticSlidingWindowLayer`` of transformers' own (not a
+    subclass, not offloaded), else None."""
+    if type(cache).__name__ != "StaticCache" or type(cache).__module__ != CACHE_MODULE or not isinstance(layer_idx, int):
         return None
     layers = getattr(cache, "layers", ())
     if not 0 <= layer_idx < len(layers):
         return None
     layer = layers[layer_idx]
-    return layer if type(layer).__name__ == "StaticLayer" and type(layer).__module__ == _CACHE_MODULE else None
+    return layer if type(layer).__name__ in STATIC_LAYERS and type(layer).__module__ == CACHE_MODULE else None
 
 
 def _static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -120,10 +128,27 @@ def _done_count(length: torch.Tensor) -> torch.Tensor:
 
 def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx, *args, **kwargs):
     """``cache.update(key_states, value_states, layer_idx, ...)``, in one kernel and the
-    length's add in it, where the cache is a plain static one (module docstring)."""
+    length's add in it, where the layer is a static one the kernel can write (module docstring)."""
     layer = _static_layer(cache, layer_idx, key_states, value_states)
     if layer is None:
         return cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+    if type(layer).__name__ == "StaticLayer":
+        _write_at_the_length(layer, key_states, value_states)
+        return layer.keys, layer.values
+    steps, filled, window = key_states.shape[2], layer.cumulative_length_int, layer.max_cache_len
+    if steps and filled + steps <= window:  # not full after the step: as a plain layer
+        _write_at_the_length(layer, key_states, value_states)
+    elif filled >= window and steps == 1:  # full: the oldest row out, the new one last
+        for cached, new in ((layer.keys, key_states), (layer.values, value_states)):
+            cached.copy_(torch.cat((cached[:, :, 1:], new), dim=2))
+    else:  # the window fills up in this step: transformers concatenates
+        return cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+    layer.cumulative_length_int += steps
+    return layer.keys, layer.values
+
+
+def _write_at_the_length(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """The new states written at the layer's device length, which moves on, in one kernel."""
     keys, values = layer.keys, layer.values
     batch, heads, steps, dim = key_states.shape
     rows = batch * heads * steps
@@ -138,12 +163,11 @@ def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_id
         )  # fmt: skip
     else:
         layer.cumulative_length.add_(steps)
-    return keys, values
 
 
 def write_in_one_kernel(graph: fx.Graph, traced) -> list[str]:
-    """Make each leaf call ``<state>.update(...)`` of ``graph`` that wrote a plain layer of a
-    ``StaticCache`` in the trace a call of :func:`update` (the node keeps its name and
+    """Make each leaf call ``<state>.update(...)`` of ``graph`` that wrote a layer of a
+    ``StaticCache`` the kernel can write in the trace a call of :func:`update` (the node keeps its name and
     arguments); the calls changed, as the report names them (``past_key_values.update``)."""
     changed = []
     for node in graph.nodes:

@@ -9,8 +9,16 @@ cache object, and every tensor's shape, dtype and device and every other value o
 The first call of a key runs as it is (the fused forward: every kernel it launches at that
 batch size is compiled then); the second is captured and replayed, and every later one copies
 its tensors into the graph's inputs and replays. A prefill, a dynamic cache (it grows by
-``torch.cat``: nothing a graph can replay), a sliding-window cache and any other call run as
-they are; :attr:`GraphedForward.not_captured` counts them by reason.
+``torch.cat``: nothing a graph can replay) and any other call run as they are;
+:attr:`GraphedForward.not_captured` counts them by reason.
+
+A sliding-window layer of a static cache keeps a count of its tokens in Python, which picks the
+branch of its update (written at its device length while the window is not full; rolled by one
+once it is) and the mask's offset. A graph is keyed by the branch of each such layer, and after
+a replay the count moves on as the captured call moved it. The step in which a window fills up
+(its update concatenates) runs as it is. Once a window is full the mask moves with the count, so
+a graph replays it only where the mask is an input of the call (``generate`` builds it outside
+the forward for a static cache), not built inside the forward from the count.
 
 Nothing is compiled inside a capture (the fused kernels raise
 :class:`fuser.codegen.emit.CaptureCompileError` rather than compile there); a call that cannot
@@ -31,34 +39,68 @@ import torch
 import torch.utils._pytree as pytree
 
 from fuser.codegen.capture_guard import capturing
+from fuser.install.kv_cache import CACHE_MODULE, STATIC_LAYERS
 from fuser.model.decode_calls import is_decode_call
 from fuser.trace.refusal import user_stacklevel
 
 MAX_GRAPHS = 16
 GRAPHED_ATTR = "_fuser_graphed"
-NO_STATIC_CACHE = ("no static cache of plain layers (a dynamic cache grows by torch.cat and a sliding-window layer "
-                   "keeps its length in Python: a replay would not move either on); generate(cache_implementation='static')")
+NO_STATIC_CACHE = ("no static cache of transformers' own layers (a dynamic cache grows by torch.cat: a replay would "
+                   "not move it on); generate(cache_implementation='static')")
+WINDOW_FILLS = "a sliding-window layer fills up in this step (its update concatenates)"
+MASK_FROM_COUNT = ("a full sliding window with no mask given: the forward builds it from the window's Python count, "
+                   "which a replay would not move on")
 AUTOGRAD = "grad is enabled (run under torch.no_grad(), as generate does)"
 NOT_CUDA = "its tensors are not all on a CUDA device"
 
 
 def static_cache(kwargs: dict):
-    """The call's cache when a graph can replay its updates: transformers' ``StaticCache`` of
-    plain ``StaticLayer`` s, which keep their length on the device; else None. A sliding-window
-    layer keeps its length as a Python int, which a replay would not move on."""
+    """The call's cache when a graph can replay its updates: transformers' ``StaticCache`` of its
+    own ``StaticLayer`` s (their length kept on the device) and ``StaticSlidingWindowLayer`` s
+    (see :func:`window_branches`); else None."""
     cache = kwargs.get("past_key_values")
     layers = getattr(cache, "layers", None)
     if not layers or not getattr(cache, "is_compileable", False):
         return None
-    return cache if all(type(layer).__name__ == "StaticLayer" for layer in layers) else None
+    kinds = {(type(layer).__module__, type(layer).__name__) for layer in layers}
+    return cache if kinds <= {(CACHE_MODULE, name) for name in STATIC_LAYERS} else None
+
+
+def window_branches(cache, tokens: int) -> tuple[str, ...] | None:
+    """The branch each sliding-window layer's update takes in a step of ``tokens`` new tokens:
+    ``filling`` (written at its device length) or ``full`` (rolled by one); None where a window
+    fills up in the step (transformers concatenates, at sizes a replay would not keep)."""
+    branches = []
+    for layer in _windows(cache):
+        filled, window = layer.cumulative_length_int, layer.max_cache_len
+        if filled + tokens <= window:
+            branches.append("filling")
+        elif filled >= window and tokens == 1:
+            branches.append("full")
+        else:
+            return None
+    return tuple(branches)
+
+
+def _windows(cache) -> list:
+    return [layer for layer in cache.layers if type(layer).__name__ == "StaticSlidingWindowLayer"]
+
+
+def _mask_given(kwargs: dict) -> bool:
+    """Is the call's attention mask built outside the forward (a 4-D tensor, or a dict of them
+    per layer type, as ``generate`` passes with a static cache)?"""
+    mask = kwargs.get("attention_mask")
+    masks = list(mask.values()) if isinstance(mask, dict) else [mask]
+    return bool(masks) and all(isinstance(m, torch.Tensor) and m.dim() == 4 for m in masks)
 
 
 class Graph:
     """One captured call: its input tensors (copied into at each replay) and its outputs, the
-    cache among them held as a mark (the graph must not keep the cache alive)."""
+    cache among them held as a mark (the graph must not keep the cache alive); ``counted``: how
+    far the call moved on each sliding-window layer's Python count of tokens."""
 
-    def __init__(self, inputs: list[torch.Tensor], graph: torch.cuda.CUDAGraph, output, cache):
-        self.inputs, self.graph, self.cache = inputs, graph, weakref.ref(cache)
+    def __init__(self, inputs: list[torch.Tensor], graph: torch.cuda.CUDAGraph, output, cache, counted: list[int]):
+        self.inputs, self.graph, self.cache, self.counted = inputs, graph, weakref.ref(cache), counted
         leaves, self.spec = pytree.tree_flatten(output)
         self.outputs = [_CACHE if leaf is cache else leaf for leaf in leaves]
 
@@ -97,9 +139,12 @@ class GraphedForward:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         cache = static_cache(kwargs)
-        why = (NO_STATIC_CACHE if cache is None else AUTOGRAD if torch.is_grad_enabled()
+        branches = None if cache is None else window_branches(cache, tokens=1)  # a decode call
+        why = (NO_STATIC_CACHE if cache is None else WINDOW_FILLS if branches is None
+               else MASK_FROM_COUNT if "full" in branches and not _mask_given(kwargs)
+               else AUTOGRAD if torch.is_grad_enabled()
                else NOT_CUDA if not tensors or not all(t.is_cuda for t in tensors) else None)  # fmt: skip
-        key = None if why else (_identity(cache), spec, tuple(_signature(x) for x in leaves))
+        key = None if why else (_identity(cache), branches, spec, tuple(_signature(x) for x in leaves))
         if key in self.refused:
             why = self.refused[key]
         if why:
@@ -113,7 +158,10 @@ class GraphedForward:
         if graph is not None:
             self.graphs.move_to_end(key)
             self.replays += 1
-            return graph.replay(tensors, cache)
+            output = graph.replay(tensors, cache)
+            for layer, counted in zip(_windows(cache), graph.counted):
+                layer.cumulative_length_int += counted  # as the captured call moved it on
+            return output
         if key not in self.seen:
             self.seen.add(key)  # the first call: its kernels compile, outside any capture
             return self._on_capture_stream(args, kwargs)
@@ -149,14 +197,18 @@ class GraphedForward:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         self.stream = self.stream or torch.cuda.Stream()
         torch.cuda.synchronize()
+        counts = [layer.cumulative_length_int for layer in _windows(cache)]
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 output = self.inner(*static_args, **static_kwargs)
         except Exception as e:  # noqa: BLE001 - this key runs as it is, said once
+            for layer, count in zip(_windows(cache), counts):
+                layer.cumulative_length_int = count  # the call runs again, from where it was
             self.refused[key] = f"its capture failed: {type(e).__name__}: {e}"
             self._not_captured(self.refused[key])
             return self.inner(*args, **kwargs)
-        self.graphs[key] = Graph(inputs, graph, output, cache)
+        counted = [layer.cumulative_length_int - count for layer, count in zip(_windows(cache), counts)]
+        self.graphs[key] = Graph(inputs, graph, output, cache, counted)
         weakref.finalize(cache, self._forget)  # its graphs go with the cache
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)

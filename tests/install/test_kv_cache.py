@@ -109,12 +109,47 @@ def test_each_layer_of_the_cache_is_written_at_its_own_length(monkeypatch):
     assert taken.kernel == 2
 
 
+def assert_same_window(got, expected):
+    for a, b in zip(got.layers, expected.layers):
+        assert getattr(a, "cumulative_length_int", None) == getattr(b, "cumulative_length_int", None)
+    assert_same_cache(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prefix", [1, 3, 6])
+def test_a_sliding_window_is_written_as_transformers_writes_it_while_it_fills_and_once_it_is_full(monkeypatch, dtype, prefix):
+    """A window of 4 slots after ``prefix`` tokens, then one token a step: written at its device
+    length until it is full, then rolled by one — the window, both lengths and the returned
+    tensors as transformers' own update leaves and returns them."""
+    expected = cache(2, 32, 2, dtype, prefix=prefix, layer_types=("full_attention", "sliding_attention"))
+    assert type(expected.layers[1]).__name__ == "StaticSlidingWindowLayer" and expected.layers[1].max_cache_len == 4
+    got = copy.deepcopy(expected)
+    taken = Taken(monkeypatch)
+    for step in range(6):
+        k, v = states(2, 2, 1, 32, dtype, seed=step)
+        keys, values = kv_cache.update(got, k, v, 1)
+        want_keys, want_values = expected.update(k, v, 1)
+        assert keys is got.layers[1].keys and values is got.layers[1].values
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values), step
+        assert_same_window(got, expected)
+    assert (taken.kernel, taken.transformers) == (6, 0)
+
+
+def test_a_step_that_fills_a_sliding_window_up_runs_transformers_update(monkeypatch):
+    """Two tokens into a window of 4 holding 3: transformers concatenates and returns the
+    concatenation (longer than the window); that step is its own."""
+    expected = cache(2, 32, 2, torch.float32, prefix=3, layer_types=("sliding_attention",))
+    got = copy.deepcopy(expected)
+    k, v = states(2, 2, 2, 32, torch.float32)
+    keys, values = kv_cache.update(got, k, v, 0)
+    want_keys, want_values = expected.update(k, v, 0)
+    assert keys.shape[2] == 5 and torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert_same_window(got, expected)
+
+
 def test_other_caches_layers_and_calls_run_transformers_update(monkeypatch):
-    sliding = cache(2, 32, 2, torch.float32, layer_types=("full_attention", "sliding_attention"))
-    assert type(sliding.layers[1]).__name__ != "StaticLayer"
     cases = [
         (cache(2, 32, 2, torch.float32, prefix=0), 0, states(2, 2, 1, 32, torch.float32)),  # not yet initialised
-        (sliding, 1, states(2, 2, 1, 32, torch.float32)),  # a sliding-window layer
         (cache(2, 32, 2, torch.float32), 0, states(2, 2, 1, 32, torch.bfloat16)),  # another dtype (transformers casts)
         (cache(2, 32, 2, torch.float32), 0, states(3, 2, 1, 32, torch.float32)),  # another batch: transformers raises
     ]
@@ -167,3 +202,21 @@ def test_in_a_cuda_graph_each_replay_writes_the_next_slot(monkeypatch, dtype):
     torch.cuda.synchronize()
     assert_same_cache(got, expected)
     assert taken.kernel == 2
+
+
+@pytest.mark.parametrize("filled, steps", [(1, 1), (3, 1), (4, 1), (6, 1), (2, 2), (3, 2), (4, 2)])
+def test_a_window_s_branch_is_the_one_transformers_update_takes(filled, steps):
+    """fuser.model.cuda_graphs keys a graph by each window's branch: ``filling`` where
+    transformers writes at the device length (its own tensors returned, the length moved on),
+    ``full`` where it rolls by one (its own tensors, the device length left), None where it
+    concatenates (a longer tensor returned)."""
+    from fuser.model.cuda_graphs import window_branches
+
+    made = cache(2, 16, 1, torch.float32, prefix=filled, layer_types=("sliding_attention",))
+    layer = made.layers[0]
+    length = int(layer.cumulative_length)
+    (branch,) = window_branches(made, steps) or (None,)
+    keys, _ = made.update(*states(1, 2, steps, 16, torch.float32), 0)
+    took = ("concatenated" if keys is not layer.keys else "filling" if int(layer.cumulative_length) == length + steps
+            else "full" if int(layer.cumulative_length) == length else "?")  # fmt: skip
+    assert took == (branch or "concatenated"), (branch, took)

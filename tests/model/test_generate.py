@@ -212,19 +212,27 @@ def test_cuda_graphs_replay_the_decode_steps_of_generate(name):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_leave_a_sliding_window_cache_uncaptured_and_say_so():
-    model = causal_lm("gemma2", layers=2).cuda()
-    ids, mask = (t.cuda() for t in prompt(1))
-    eager = generate(model, ids, mask, "static")
+@pytest.mark.parametrize("name", ["gemma2", "deepseek_v4"])
+def test_cuda_graphs_replay_a_sliding_window_cache_while_it_fills_and_once_it_is_full(name):
+    """A window of 8 slots, a prompt of 5 and 10 new tokens (batch 2, left padding): decode
+    calls 1-3 fill the window (fuse, warm up, capture and replay), call 4 finds it full (warm
+    up under that key), call 5 captures and replays it and calls 6-9 replay; each replay moves the window's
+    Python count on, so that the masks generate builds and the updates' branches stay eager's."""
+    model = causal_lm(name, layers=2, sliding_window=8).cuda()
+    ids, mask = (t.cuda() for t in prompt(2))
+
+    def run(m):
+        with torch.no_grad():
+            return m.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                              pad_token_id=0, cache_implementation="static", disable_compile=True)  # fmt: skip
+
+    eager = run(model)
     fuser.apply(model, cuda_graphs=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = generate(model, ids, mask, "static")
-        generate(model, ids, mask, "static")
-    graphed = model.__dict__["_fuser_graphed"]
-    assert torch.equal(got, eager) and graphed.replays == 0
-    assert list(graphed.not_captured) == [cuda_graphs.NO_STATIC_CACHE], graphed.not_captured
-    assert [w for w in fuser_warnings(caught) if "without a CUDA graph" in w], fuser_warnings(caught)
+    got = run(model)
+    graphed = model.__dict__[cuda_graphs.GRAPHED_ATTR]
+    assert torch.equal(got, eager)
+    assert not graphed.not_captured and graphed.replays == 1 + 5, (graphed.replays, graphed.not_captured)
+    assert len(graphed.graphs) == 2, "one graph while the window fills, one once it is full"
 
 
 def test_generate_s_own_compile_of_a_fused_model_runs_and_gives_eager_s_tokens():
