@@ -1,6 +1,6 @@
 """ops: the canonical form of ops with more than one spelling or a result in parts: top-k,
 GELU, masked_fill, layer_norm, max/min along a dim, sort, histc, cumsum, stack,
-repeat_interleave, repeat, pad, p-norms, index_add, and constants. Each function takes the canonicaliser
+repeat_interleave, repeat, pad, p-norms and F.normalize, index_add, and constants. Each function takes the canonicaliser
 (:class:`fuser.canon.canonicalize.Canonicalizer`) explicitly and is registered under the op
 name it canonicalises (:mod:`fuser.canon.registry`)."""
 
@@ -151,6 +151,20 @@ def vector_norm(cz, node):
         return cz.make(node, "vector_norm", UNSUPPORTED, tensor_args(node))
     attrs = {"dim": tuple(sorted({d % rank for d in dims})), "keepdim": keepdim, "ord": float(p)}
     return cz.make(node, "vector_norm", COMPUTE, (x,), attrs)
+
+
+@canonical("normalize")
+def normalize(cz, node):
+    """``F.normalize(x, p, dim, eps)``: x over its p-norm along one non-token axis (at least eps)."""
+    params = bound_args(node, ("input", "p", "dim", "eps"))
+    x, p, dim, eps = params.get("input"), params.get("p", 2.0), params.get("dim", 1), params.get("eps", 1e-12)
+    rank = cz.value(x).dim() if isinstance(x, fx.Node) else 0
+    if (
+        not rank or not isinstance(dim, int) or isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p)
+        or not isinstance(eps, (int, float)) or params.get("out") is not None or dim % rank in cz.batch_dims(x)
+    ):  # fmt: skip
+        return cz.make(node, "normalize", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "normalize", COMPUTE, (x,), {"dim": (dim % rank,), "ord": float(p), "eps": float(eps)})
 
 
 @canonical("repeat")

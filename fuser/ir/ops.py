@@ -225,6 +225,7 @@ _ENTRIES = [
     Op("layer_norm", NORMALIZATION, 3, lowering="layer_norm", params=("normalized_shape", "weight", "bias", "eps")),
     Op("cumsum", NORMALIZATION, 1, lowering="cumsum", params=("dim",)),  # a running sum along a short axis
     Op("vector_norm", REDUCTION, 1, lowering="vector_norm", params=_REDUCE),  # attribute ``ord``: 1, 2, inf, p
+    Op("normalize", NORMALIZATION, 1, lowering="normalize"),  # F.normalize: x / max(p-norm, eps)
     # layout
     Op("reshape", LAYOUT, 1, lowering="layout"),
     Op("expand", LAYOUT, 1, lowering="layout"),

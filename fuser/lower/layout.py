@@ -79,13 +79,14 @@ def repeat_interleave(lw, node: fx.Node, cop: COp):
 def repeat(lw, node: fx.Node, cop: COp):
     """``src.repeat(r0, r1, ...)`` (not along the last axis alone: that is a concatenation):
     along each repeated axis of n, element j is the source's j % n, picked by a one-hot sum
-    over the source's axis, one axis at a time."""
+    over the source's axis, one axis at a time, the last first (the columns, usually the
+    widest, spread while the other axes are still small)."""
     src = cop.args[0]
     offset = len(lw.traced.value(node).shape) - len(lw.block_shape(node))
     expr, shape = lw.f32(src), list(lw.padded(src))
     sizes, out = lw.block_shape(src), lw.padded(node)
     rank = len(shape)
-    for axis, times in enumerate(cop.attr("repeats")[offset:]):
+    for axis, times in reversed(list(enumerate(cop.attr("repeats")[offset:]))):
         if times == 1:
             continue
         if math.prod(shape) * out[axis] > ONE_HOT_LIMIT:

@@ -144,13 +144,17 @@ def reduce(lw, node: fx.Node, cop: COp):
 
 @lowering("vector_norm")
 def vector_norm(lw, node: fx.Node, cop: COp):
-    """``torch.linalg.vector_norm(x, p, dim)`` in fp32, rounded once: the largest |x| for inf
-    (the smallest for -inf), the count of non-zeros for 0, ``sum |x|`` for 1,
-    ``sqrt(sum x^2)`` for 2, else ``(sum |x|^p)^(1/p)`` (an |x| of 0 gives a term of 0 for
-    p > 0, of inf for p < 0, as PyTorch)."""
+    """``torch.linalg.vector_norm(x, p, dim)`` in fp32, rounded once (:func:`norm_of`)."""
     src = cop.args[0]
-    axes = reduced_axes(lw, node, cop)
-    p, x, mask = cop.attr("ord"), lw.f32(src), lw.mask(src)
+    return lw.emit(node, norm_of(lw, src, reduced_axes(lw, node, cop), cop.attr("ord"), cop.attr("keepdim")))
+
+
+def norm_of(lw, src: fx.Node, axes: list[int], p: float, keepdim: bool) -> str:
+    """The p-norm of ``src`` over block ``axes`` in fp32: the largest |x| for inf (the
+    smallest for -inf), the count of non-zeros for 0, ``sum |x|`` for 1, ``sqrt(sum x^2)``
+    for 2, else ``(sum |x|^p)^(1/p)`` (an |x| of 0 gives a term of 0 for p > 0, of inf for
+    p < 0, as PyTorch)."""
+    x, mask = lw.f32(src), lw.mask(src)
     magnitude = f"tl.abs({x})"
     if p in (math.inf, -math.inf):
         fn, term, fill = ("tl.max", magnitude, "0.0") if p > 0 else ("tl.min", magnitude, "float('inf')")
@@ -165,13 +169,30 @@ def vector_norm(lw, node: fx.Node, cop: COp):
     expr = f"tl.where({mask}, {term}, {fill})" if mask else term
     for axis in sorted(axes, reverse=True):
         expr = f"{fn}({expr}, axis={axis})"
-        if cop.attr("keepdim"):
+        if keepdim:
             expr = f"tl.expand_dims({expr}, {axis})"
     if p == 2:
-        expr = f"tl.sqrt_rn({expr})"
-    elif p not in (0, 1, math.inf, -math.inf):
-        expr = f"tl.exp2(tl.log2({expr}) * {1 / p!r})"
-    return lw.emit(node, expr)
+        return f"tl.sqrt_rn({expr})"
+    if p not in (0, 1, math.inf, -math.inf):
+        return f"tl.exp2(tl.log2({expr}) * {1 / p!r})"
+    return expr
+
+
+@lowering("normalize")
+def normalize(lw, node: fx.Node, cop: COp):
+    """``F.normalize(x, p, dim, eps)``: ``x / max(norm, eps)``, the norm (:func:`norm_of`)
+    rounded to x's dtype first, as eager computes it in x's dtype."""
+    src = cop.args[0]
+    axes = reduced_axes(lw, node, cop)
+    norm = rounded(norm_of(lw, src, axes, cop.attr("ord"), keepdim=True), lw.dtypes[src])
+    if lw.dtypes[src] != torch.float32:
+        norm = f"({norm}).to(tl.float32)"
+    name = lw.local(f"{node.name}_norm")
+    lw.lines.append(f"{name} = {norm}  # {node.name}")
+    eps = rounded(f"tl.maximum({name}, {cop.attr('eps')!r})", lw.dtypes[src])
+    if lw.dtypes[src] != torch.float32:
+        eps = f"({eps}).to(tl.float32)"
+    return lw.emit(node, f"{lw.f32(src)} / {eps}")
 
 
 @lowering("argmax")
