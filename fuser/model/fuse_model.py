@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
+from fuser.regions.lone_ops import gave_a_kernel
 from fuser.model.model_report import LayerGroup, ModelReport
 from fuser.model.layer_stacks import decoder_stacks, layer_stacks  # noqa: F401 - layer_stacks: the api asks
 from fuser.model.progress import Progress
@@ -389,8 +390,9 @@ def _fuse_one_other(name, module, call, options, report: ModelReport, fused: lis
     except Exception as e:  # noqa: BLE001 - reported; the rest of the model is fused
         report.skipped[name] = f"{type(e).__name__}: {e}"
         return
-    if p.report.launches_after >= p.report.launches_before:
-        report.skipped[name] = "no glue a kernel saves launches on"
+    faster_alone = any(gave_a_kernel(c.note) for c in p.report.chains)  # a final LayerNorm: faster, not fewer
+    if p.report.launches_after >= p.report.launches_before and not faster_alone:
+        report.skipped[name] = "no glue a kernel saves launches on or runs faster"
         return
     _install(module, p, p.constants, p.precomputed, fused)
     report.others[name] = p.report

@@ -70,6 +70,13 @@ class LoneOpTableError(ValueError):
     """A lone-op table that cannot be read; names the file and what is wrong."""
 
 
+def gave_a_kernel(note: str) -> bool:
+    """Does a region's note (:attr:`fuser.regions.builder.Region.note`) say that a lone op was
+    given a kernel of its own because it runs faster there? (A model's final LayerNorm is one
+    op: its kernel saves no launch, only time.)"""
+    return note.startswith("alone: fused")
+
+
 def op_kind(cop: COp, value_of) -> str:
     """The table's name for the op of ``cop`` (``value_of(node)`` gives a node's traced value)."""
     if cop.op == "layer_norm":

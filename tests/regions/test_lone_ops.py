@@ -196,3 +196,28 @@ def test_a_table_variable_naming_no_file_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv(TABLE_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(LoneOpTableError, match="missing.json, which is not a file"):
         lone_ops.table_path()
+
+
+# --- a model's final norm -----------------------------------------------------------------------
+def test_a_model_s_final_layer_norm_is_fused_alone():
+    """GPT-NeoX's final LayerNorm is one op (its kernel saves no launch, only time): fused by
+    the same decision as a lone op inside a layer, and the logits match eager."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(hidden_size=48, num_attention_heads=4, intermediate_size=96, num_hidden_layers=2,
+                           use_parallel_residual=True, vocab_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config).eval()
+    call = dict(input_ids=torch.randint(0, 64, (3, 1), generator=gen(4)), use_cache=False)
+    with torch.no_grad():
+        expected = model(**call).logits
+    report = fuser.apply(model, (), example_kwargs=call)
+    try:
+        final = report.others["gpt_neox.final_layer_norm"]
+        (chain,) = final.chains
+        assert chain.note.startswith("alone: fused by default (layer_norm, width 48, float32")
+        with torch.no_grad():
+            got = model(**call).logits
+    finally:
+        fuser.restore(model)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
