@@ -82,11 +82,13 @@ def repeat(lw, node: fx.Node, cop: COp):
     over the source's axis, one axis at a time, the last first (the columns, usually the
     widest, spread while the other axes are still small)."""
     src = cop.args[0]
-    offset = len(lw.traced.value(node).shape) - len(lw.block_shape(node))
+    repeats = list(cop.attr("repeats"))
+    if lw.row_dim(node) is not None:
+        del repeats[lw.row_dim(node)]  # the tokens' (1)
     expr, shape = lw.f32(src), list(lw.padded(src))
     sizes, out = lw.block_shape(src), lw.padded(node)
     rank = len(shape)
-    for axis, times in reversed(list(enumerate(cop.attr("repeats")[offset:]))):
+    for axis, times in reversed(list(enumerate(repeats))):
         if times == 1:
             continue
         if math.prod(shape) * out[axis] > ONE_HOT_LIMIT:

@@ -93,10 +93,12 @@ class Lowerer:
             if not isinstance(value, torch.Tensor):
                 raise LoweringError(f"`{node.name}` is not a tensor")
             batch = self.traced.batch_dims(node)
-            if batch and batch != (0,):
-                raise LoweringError(f"`{node.name}` has its token dim at {batch}, not first")
+            if len(batch) > 1:
+                raise LoweringError(f"`{node.name}` has its tokens along several dims {batch}")
+            if batch and batch != (0,) and (node in self.gathered or node in self.regathered):
+                raise LoweringError(f"`{node.name}` is a gathered table with its token dim at {batch}, not first")
             if batch and node not in self.gathered:  # a gathered table's rows are any rows
-                rows.add((value.shape[0], self.traced.shadows[node.name][1].shape[0]))
+                rows.add((value.shape[batch[0]], self.traced.shadows[node.name][1].shape[batch[0]]))
             if value.dtype in INDEX_DTYPES:
                 continue  # positions and index arithmetic, computed in integers
             if value.dtype not in TL_DTYPES and not value.dtype.is_complex and node not in self.gathered:
@@ -126,32 +128,42 @@ class Lowerer:
                 )
 
     def block_shape(self, node: fx.Node) -> tuple[int, ...]:
+        """``node``'s value without its token dim (the rows), wherever that dim is: a value laid
+        out [experts, tokens, ...] is the block [experts, ...] of each token's program."""
         value = self.traced.value(node)
-        if self.traced.batch_dims(node):
-            return tuple(value.shape[1:])
-        if self._over_rows(node, value):
-            return tuple(value.shape[1:])  # [1, N] broadcast over the token rows
-        return tuple(value.shape)
+        rows = self.row_dim(node)
+        if rows is None:
+            return tuple(value.shape)
+        return tuple(value.shape[:rows]) + tuple(value.shape[rows + 1 :])
 
-    def _over_rows(self, node: fx.Node, value) -> bool:
-        """Is ``node``'s value (no token rows) broadcast over the rows: a leading 1 where the
-        row values it is combined with have their rows, at their rank (or the region's)?"""
-        if not value.dim() or value.shape[0] != 1:
-            return False
-        if value.dim() == self.row_rank:
-            return True
-        return any(
-            u in self.nodes and self.traced.batch_dims(u) and self.traced.value(u).dim() == value.dim() for u in node.users
-        )
+    def row_dim(self, node: fx.Node) -> int | None:
+        """The dim of ``node``'s value that the programs' rows run along: its token dim, or for
+        a value broadcast over the rows (:meth:`_over_rows`) its size-1 dim there; None for
+        a value read whole."""
+        batch = self.traced.batch_dims(node)
+        if batch:
+            return batch[0]
+        return self._over_rows(node, self.traced.value(node))
+
+    def _over_rows(self, node: fx.Node, value) -> int | None:
+        """The dim along which ``node``'s value (no token rows) is broadcast over the rows: a 1
+        where the row values of its rank it is combined with have their tokens (a leading 1 at
+        the region's rank); None when it is read whole."""
+        if not isinstance(value, torch.Tensor) or not value.dim():
+            return None
+        for u in node.users:
+            batch = self.traced.batch_dims(u) if u in self.nodes else ()
+            if batch and self.traced.value(u).dim() == value.dim() and value.shape[batch[0]] == 1:
+                return batch[0]
+        return 0 if value.shape[0] == 1 and value.dim() == self.row_rank else None
 
     def block_axes(self, cop: COp) -> list[int]:
-        src = cop.args[0]
-        offset = 1 if self.traced.batch_dims(src) else 0
-        return [d - offset for d in cop.attr("dim")]
+        return [self.block_axis(cop.args[0], d) for d in cop.attr("dim")]
 
     def block_axis(self, node: fx.Node, dim: int) -> int:
-        """Block axis of ``node``'s (full-rank) dim ``dim``."""
-        return dim - (1 if self.traced.batch_dims(node) else 0)
+        """Block axis of ``node``'s (full-rank) dim ``dim``: past its token dim, one less."""
+        batch = self.traced.batch_dims(node)
+        return dim - (1 if batch and dim > batch[0] else 0)
 
     def is_tiled(self, node: fx.Node, axis: int) -> bool:
         return self.tiled and self.tile_axis.get(node) == axis
@@ -372,6 +384,7 @@ class Lowerer:
         op = operand(self.traced, node, name)
         if not op.has_rows and self.block_shape(node) != op.shape:  # [1, N]: expanded over rows
             op = Operand(name, node.name, self.block_shape(node), op.dtype, True, broadcast_rows=True)
+            op.row_dim = self.row_dim(node)
         if node in self.gathered or node in self.regathered:
             groups = [self.cops[g].attr("group") for g in self.nodes if self.cops[g].op == "group_rows"
                       and self.cops[self.cops[g].args[0]].args[1] is node]  # fmt: skip

@@ -34,6 +34,9 @@ class Operand:
     # Its rows per program: 1, or k (the index a program gathers k rows with), or 0 when its rows
     # are not the programs' (a gathered table).
     row_group: int = 1
+    # The dim its tokens (or its broadcast 1) are along: the launcher moves it first (a view) for
+    # the kernel, and allocates an output in its own layout.
+    row_dim: int = 0
 
     @property
     def complex(self) -> bool:
@@ -95,6 +98,7 @@ def _row_input(inputs: list[Operand]) -> Operand | None:
 def operand(traced: Traced, node: fx.Node, name: str) -> Operand:
     """The kernel argument for ``node``'s value: block shape without the token dim, dtype."""
     value = traced.value(node)
-    has_rows = bool(traced.batch_dims(node))
-    shape = tuple(value.shape[1:]) if has_rows else tuple(value.shape)
-    return Operand(name, node.name, shape, value.dtype, has_rows)
+    batch = traced.batch_dims(node)
+    rows = batch[0] if batch else 0
+    shape = tuple(value.shape[:rows]) + tuple(value.shape[rows + 1 :]) if batch else tuple(value.shape)
+    return Operand(name, node.name, shape, value.dtype, bool(batch), row_dim=rows)

@@ -283,3 +283,42 @@ def test_per_head_rms_norm_is_bitwise_eager_in_bf16(head_dim):
     finally:
         fuser.restore(module)
     assert len(report.chains) == 1 and not report.unfused, report.text()
+
+
+# --- glue laid out [experts, tokens, ...] ---------------------------------------------------------
+EXPERTS = 4
+
+
+class ExpertsFirst(nn.Module):
+    """A MoE's routed-expert glue as batched experts lay it out: a bmm's [experts, tokens, 2I]
+    output split into gate and up, a per-expert bias [experts, 1, I], the routing weight of each
+    (token, expert) and the sum over the experts. The glue's token dim is its second."""
+
+    def __init__(self, hidden: int, inter: int, dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.w = nn.Parameter((torch.randn(EXPERTS, hidden, 2 * inter, generator=g) * 0.3).to(dtype))
+        self.b = nn.Parameter(torch.randn(EXPERTS, 1, inter, generator=g).to(dtype))
+
+    def forward(self, x, routing):
+        gate_up = torch.bmm(x.unsqueeze(0).expand(EXPERTS, -1, -1), self.w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        routed = (F.silu(gate) * up + self.b) * routing.t()[..., None]
+        return routed, routed.sum(0) * 2.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [3, 37])
+def test_glue_with_its_tokens_second(inter, dtype):
+    module = ExpertsFirst(8, inter, dtype)
+    make = lambda T: (randn(gen(T), T, 8, dtype=dtype), randn(gen(T + 1), T, EXPERTS, dtype=dtype))  # noqa: E731
+    report = fused_matches(module, make, ["silu", "mul", "add", "sum"])
+    assert len(report.chains) == 1, report.text()
+    source = open(report.chains[0].path).read()
+    assert ".movedim(1, 0)" in source, source
+    for T in TOKENS:  # the outputs keep eager's layout ([experts, tokens, I], contiguous)
+        fused = fuser.apply(module, make(TRACE_T))
+        try:
+            assert fused_call(module, *make(T))[0].is_contiguous()
+        finally:
+            fuser.restore(module)
