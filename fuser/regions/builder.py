@@ -14,7 +14,8 @@ only copied into a slice of another tensor there.
 A region of one op alone (a LayerNorm between a residual and a GEMM) saves no launch: it is
 made only where :mod:`fuser.regions.lone_ops` says fuser's kernel is faster than PyTorch's for
 that op (a table measured offline per GPU, else a default), and the decision is kept for the
-report either way.
+report either way. Lone ops left to PyTorch that read the same activation run as one kernel:
+together they save launches.
 
 Every region must also be safe to run at one point of the program — the place of its last
 node, or else right after its last input is made: all its inputs exist there, all values it
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from fuser.ir import ops
@@ -332,7 +334,26 @@ class RegionBuilder:
         for component in components(alone, set(alone), {}, self.args_of):
             if len(component) > 1:
                 regions += self._place(component)
+        for group in self._siblings_left_alone():
+            regions += self._place(group)
         return regions
+
+    def _siblings_left_alone(self) -> list[list[fx.Node]]:
+        """Lone ops left to PyTorch that read the same activation (two GELUs of one GEMM's
+        result), grouped: as one kernel they save launches, which one alone does not."""
+        groups: dict[fx.Node, list[fx.Node]] = {}
+        for node in self.left_alone:
+            reads = [a for a in self.args_of(node) if a.op != "get_attr" and isinstance(self.value_of(a), torch.Tensor)]
+            floating = [a for a in reads if self.value_of(a).is_floating_point()]
+            if floating:
+                groups.setdefault(self.alias[floating[0]], []).append(node)
+        found = []
+        for group in groups.values():
+            if len(group) > 1:
+                for node in group:
+                    self.left_alone.pop(node)
+                found.append(sorted(group, key=self.order.get))
+        return found
 
     def regroup(self, nodes: list[fx.Node]) -> list[Region]:
         """Regions of ``nodes``: what is left of a generic region without the op that could not

@@ -123,3 +123,28 @@ def test_gpt_neox_s_parallel_residual_norms_are_one_kernel(dtype):
     assert {"layer_norm", "layer_norm_1"} <= set(chain.nodes), report.text()
     assert "input_layernorm" in chain.where
     assert_close(got, expected, dtype)
+
+
+class TwoActivations(nn.Module):
+    """Two lone elementwise ops of one GEMM's result, each feeding a GEMM of its own: each alone
+    is left to PyTorch by default, together they are one kernel (one launch instead of two)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(D, D, dtype=dtype)
+        self.left, self.right = nn.Linear(D, 8, dtype=dtype), nn.Linear(D, 8, dtype=dtype)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.left(F.gelu(h)), self.right(torch.sigmoid(h))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lone_ops_left_to_pytorch_that_read_one_activation_are_one_kernel(dtype):
+    module = TwoActivations(dtype)
+    report, got, expected = fused_run(module, (randn(gen(5), T, D, dtype=dtype, scale=2.0),))
+    (chain,) = chains_with(report, "gelu", "sigmoid")
+    assert {"gelu", "sigmoid"} <= set(chain.nodes), report.text()
+    assert (report.launches_before, report.launches_after) == (2, 1)
+    assert_close(got, expected, dtype)
