@@ -32,6 +32,7 @@ from fuser.trace.proxy import ShadowProxy
 from fuser.trace.call_spec import CallSpec, StateRead, read_as_value
 from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches, shadow_isinstance
 from fuser.trace.refusal import calling_line, error_location, refuse
+from fuser.trace.token_dims import grow
 
 # Module types kept opaque whatever the user says: the heavy ops of a decode layer.
 DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
@@ -421,25 +422,26 @@ def _is_state_proxy(a, state_paths) -> bool:
 
 
 def _grown_like(value: Any, args, kwargs) -> Any:
-    """A leaf's result at T+1 from its result at T: each tensor grown (its first row repeated)
-    along the dims where a tensor argument grows, where it has that argument's size at T."""
-    growing: dict[int, int] = {}
+    """A leaf's result at T+1 from its result at T: each tensor grown along the dims where a
+    tensor argument grows, where it has that argument's size at T, by as many rows as the
+    argument grows (its first rows repeated: :func:`fuser.trace.token_dims.grow`)."""
+    growing: dict[int, tuple[int, int]] = {}
 
     def note(a):
-        if isinstance(a, ShadowProxy) and isinstance(a.shadow[0], torch.Tensor):
+        if isinstance(a, ShadowProxy) and isinstance(a.shadow[0], torch.Tensor) and isinstance(a.shadow[1], torch.Tensor):
             x, y = a.shadow
             for d, (p, q) in enumerate(zip(x.shape, y.shape)):
-                if p != q:
-                    growing.setdefault(d, p)
+                if p < q:
+                    growing.setdefault(d, (p, q))
 
     map_aggregate((args, kwargs), note)
 
-    def grow(v):
+    def grow_(v):
         if not isinstance(v, torch.Tensor):
             return v
-        for d, size in growing.items():
-            if d < v.dim() and v.shape[d] == size:
-                v = _grow_batch(v, d)
+        for d, (size, more) in growing.items():
+            if d < v.dim() and v.shape[d] == size and more - size <= size:
+                v = grow(v, d, more - size)
         return v
 
     if isinstance(value, dict) and type(value) is not dict:
@@ -447,12 +449,6 @@ def _grown_like(value: Any, args, kwargs) -> Any:
         # (fx's map_aggregate would give a plain immutable dict).
         grown = copy.copy(value)
         for key, item in value.items():
-            grown[key] = map_aggregate(item, grow)
+            grown[key] = map_aggregate(item, grow_)
         return grown
-    return map_aggregate(value, grow) if isinstance(value, (tuple, list, dict, torch.Tensor)) else value
-
-
-def _grow_batch(value: Any, dim: int) -> Any:
-    """The example input at batch size T+1: its first row repeated once more."""
-    index = torch.zeros(1, dtype=torch.long, device=value.device)
-    return torch.cat([value, value.index_select(dim, index)], dim=dim)
+    return map_aggregate(value, grow_) if isinstance(value, (tuple, list, dict, torch.Tensor)) else value

@@ -39,9 +39,10 @@ import torch.fx as fx
 from fuser.trace import in_place_idioms as idioms
 from fuser.trace.attention_calls import AttentionRewrite, rewrite_attention_calls
 from fuser.trace.leaves import AutomaticLeaf, leaf_after, opaque_functions
-from fuser.trace.tracer import ShadowTracer, _grow_batch
+from fuser.trace.tracer import ShadowTracer
+from fuser.trace.token_dims import batch_dims_of, grown as grown_inputs, held_inputs_hint, infer_batch_inputs, rows_per_token
 from fuser.trace.call_spec import CallSpec, StateRead, copy_state
-from fuser.trace.refusal import TraceRefused
+from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, error_location
 
 _TRACE_LOCK = threading.RLock()
 
@@ -68,6 +69,9 @@ class Traced:
     state_reads: list[StateRead] = field(default_factory=list)
     # sdpa calls whose arguments the trace rewrote (fuser.trace.attention_calls)
     attention_calls: list[AttentionRewrite] = field(default_factory=list)
+    # placeholder name -> rows of its batch dim per token, where more than one (an ALiBi bias's
+    # heads: fuser.trace.token_dims)
+    batch_rows: dict[str, int] = field(default_factory=dict)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
@@ -104,8 +108,9 @@ def forward_of(root) -> Callable:
 
 
 def default_batch_inputs(names: Sequence[str], inputs: Sequence[Any]) -> dict[str, int]:
-    """Every tensor input with at least one dim has the batch (tokens) as dim 0."""
-    return {n: 0 for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    """The inputs that follow the tokens, and along which dim, read off the example
+    (:func:`fuser.trace.token_dims.infer_batch_inputs`)."""
+    return infer_batch_inputs(names, inputs)
 
 
 def trace(
@@ -146,10 +151,9 @@ def trace(
         raise ValueError(f"the example inputs do not fit {_qualname(module)}.forward: {e}") from None
     tensors, _ = call.flatten(example_inputs, example_kwargs)
     batch = batch_dims_of(call, tensors, batch_inputs)
+    rows = rows_per_token(call.names, tensors, batch)
     # State (a KV cache) is never touched: the graph's example keeps a copy, the shadows another.
     pristine = [copy_state(v) if n in call.states else v for n, v in zip(call.names, tensors)]
-    tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
-    grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
     leaves = list(leaves)
     modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
     functions = [x for x in leaves if callable(x) and not isinstance(x, (type, torch.nn.Module))] + opaque_functions()
@@ -157,6 +161,10 @@ def trace(
     counters: set[tuple] = set()
     attributes = set(vars(module)) if isinstance(module, torch.nn.Module) else set()
     while True:
+        # Each attempt runs on fresh copies of the state: one that stopped part way (a leaf to
+        # make) may have written into its copy already (a cache's update).
+        tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
+        grown = grown_inputs(call.names, tensors, batch, rows)
         tracer = ShadowTracer(
             leaf_names=[x for x in leaves if isinstance(x, str)] + [a.name for a in automatic if a.function is None],
             leaf_types=[x for x in leaves if isinstance(x, type)],
@@ -176,12 +184,10 @@ def trace(
             # A getter the forward changed (a length the forward moves on): traced again with it
             # a leaf, on fresh copies of the state.
             counters |= changed
-            tensors = [copy_state(v) if n in call.states else v for n, v in zip(call.names, pristine)]
-            grown = tuple(_grow_batch(v, batch[n]) if n in batch else v for n, v in zip(call.names, tensors))
         except Exception as e:  # noqa: BLE001 - untraceable code becomes a leaf: fuser.trace.leaves
             leaf = leaf_after(e, automatic)
             if leaf is None:
-                raise
+                raise refused(e, held_inputs_hint(call.names, tensors, batch)) from e
             automatic.append(leaf)
         finally:
             constants = _constants_taken_off(module, attributes)
@@ -195,6 +201,7 @@ def trace(
         graph=graph,
         input_names=list(call.names),
         batch_inputs=batch,
+        batch_rows=rows,
         example_inputs=tuple(pristine),
         shadows=tracer.shadows,
         call=call,
@@ -203,6 +210,21 @@ def trace(
         state_reads=list(tracer.state_reads.values()),
         attention_calls=attention,
     )
+
+
+def refused(error: Exception, hint: str = "") -> TraceRefused:
+    """What the traced forward's own code could not trace, as a refusal naming the user's line
+    (``file:line``), with ``hint`` (the inputs held at their sizes) after it. A refusal is
+    given back as it is where there is no hint."""
+    if isinstance(error, TraceRefused) and not hint:
+        return error
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not isinstance(error, TraceRefused):
+        where = error_location(error)
+        message = f"{where}: {type(error).__name__}: {message}" if where != UNKNOWN_LOCATION else f"{type(error).__name__}: {message}"
+    found = TraceRefused(message + hint)
+    found.location = error_location(error)
+    return found
 
 
 def in_place_idioms(graph: fx.Graph, shadows: dict, state: list) -> list:
@@ -238,22 +260,6 @@ def _constants_taken_off(module, attributes: set[str]) -> dict[str, Any]:
     if not isinstance(module, torch.nn.Module):
         return {}
     return {name: module.__dict__.pop(name) for name in set(vars(module)) - attributes}
-
-
-def batch_dims_of(call: CallSpec, tensors: list, batch_inputs: dict[str, int] | None) -> dict[str, int]:
-    """Graph input name -> its batch dim. A forward parameter's name stands for all its tensors."""
-    if batch_inputs is None:
-        return default_batch_inputs(call.names, tensors)
-    by_parameter = call.tensor_names_by_parameter()
-    batch = {}
-    for name, dim in batch_inputs.items():
-        if name in call.names:
-            batch[name] = dim
-        elif name in by_parameter:
-            batch.update({n: dim for n in by_parameter[name]})
-        else:
-            raise ValueError(f"batch_inputs names {name!r}, which is no tensor input of forward {tuple(call.names)}")
-    return batch
 
 
 def _qualname(module) -> str:
