@@ -9,6 +9,10 @@ GPU it is built on, never from a benchmark:
 1. the entry for this very kernel (:func:`kernel_hash`: a hash of what it is made of), else
 2. the heuristic below (:func:`heuristic_warps`; always on the CPU, where the interpreter ignores it).
 
+The same directories hold each GPU's lone-op table, ``<GPU>-lone_ops.json`` (``fuser tune
+--lone-ops``): whether one op alone between heavy ops gets a kernel of its own
+(:mod:`fuser.regions.lone_ops`).
+
 An entry applies to its own kernel only: warps tuned for one kernel say little about another
 of the same size (a DSv4 mHC entry chose 1 warp where a 4096-wide RMSNorm wants 8).
 """
