@@ -91,3 +91,10 @@ def test_fuser_tune_lone_ops_takes_no_target_and_needs_a_gpu(argv, capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and "CUDA GPU" in err  # the options parse; the GPU is what is missing
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_each_side_is_timed_in_a_cuda_graph():
+    entry = lone.measure("layer_norm", 2048, "bfloat16", tokens=(1, 16), device="cuda")
+    for side in ("torch_us", "fuser_us"):
+        assert set(entry[side]) == {"1", "16"} and all(0 < t < 1000 for t in entry[side].values())
