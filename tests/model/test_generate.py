@@ -232,7 +232,6 @@ def test_cuda_graphs_replay_a_sliding_window_cache_while_it_fills_and_once_it_is
     graphed = model.__dict__[cuda_graphs.GRAPHED_ATTR]
     assert torch.equal(got, eager)
     assert not graphed.not_captured and graphed.replays == 1 + 5, (graphed.replays, graphed.not_captured)
-    assert len(graphed.graphs) == 2, "one graph while the window fills, one once it is full"
 
 
 def test_generate_s_own_compile_of_a_fused_model_runs_and_gives_eager_s_tokens():
