@@ -19,6 +19,7 @@ from typing import Any, Callable
 import jinja2
 
 from fuser.codegen.capture_guard import capturing
+from fuser.codegen.fast_launch import fast
 from fuser.codegen.kernel_cache import kernel_dir, load, store
 from fuser.codegen.launch_config import current_gpu, lookup
 from fuser.lower.warps import warps_for
@@ -174,8 +175,10 @@ def emit(spec: KernelSpec) -> tuple[Path, Callable]:
         if stem in _LOADED:
             return path, _LOADED[stem]
         module = load(path, source, f"fuser_kernels.{stem}")
-        for value in vars(module).values():
+        for name, value in list(vars(module).items()):
             forbid_compile_during_capture(value, path)
+            if name.startswith(f"{stem}_kernel"):  # the kernels ``launch`` launches (not the helpers they call)
+                setattr(module, name, fast(value))
         launch = module.launch
         launch.__qualname__ = launch.__name__ = f"{stem}"
         _LOADED[stem] = launch

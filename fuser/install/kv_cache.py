@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from fuser.codegen.emit import forbid_compile_during_capture
+from fuser.codegen.fast_launch import fast
 
 CACHE_MODULE = "transformers.cache_utils"
 STATIC_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")  # of CACHE_MODULE: the layers the kernel writes
@@ -73,6 +74,7 @@ def _write_at_length(
 
 
 forbid_compile_during_capture(_write_at_length, Path(__file__))
+_write_at_length = fast(_write_at_length)
 
 
 def _plain_layer(cache, layer_idx):
