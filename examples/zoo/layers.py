@@ -80,6 +80,61 @@ MODELS = {
                   o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=8,
                   layer_types=["sliding_attention"], mlp_layer_types=["moe"]),
     ),
+    "gpt_neox": dict(  # GPT-NeoX-20B: parallel residual, LayerNorms with bias, head dim 96, a quarter of it rotary
+        module="gpt_neox", prefix="GPTNeoX", layer="GPTNeoXLayer", attn="attention",
+        real=dict(hidden_size=6144, intermediate_size=24576, num_attention_heads=64, rotary_pct=0.25),
+        tiny=dict(hidden_size=96, intermediate_size=128, num_attention_heads=4, rotary_pct=0.25),
+    ),
+    "phi": dict(  # Phi-2: parallel attention and MLP on one LayerNorm, head dim 80, 0.4 of it rotary
+        module="phi", prefix="Phi",
+        real=dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=32, partial_rotary_factor=0.4),
+        tiny=dict(hidden_size=80, intermediate_size=128, num_attention_heads=4, partial_rotary_factor=0.4),
+    ),
+    "gptj": dict(  # GPT-J-6B: parallel residual, interleaved rotary over 64 of 256 dims from a sin/cos table
+        # gathered by position inside attention (no rotary module; only an eager attention class)
+        module="gptj", prefix="GPTJ", layer="GPTJBlock", attn="attn", rotary=None, attn_implementation="eager",
+        real=dict(n_embd=4096, n_head=16, rotary_dim=64),
+        tiny=dict(n_embd=64, n_head=4, rotary_dim=4, n_inner=128),
+    ),
+    "falcon": dict(  # Falcon-7B: multi-query, parallel attention, 71 heads of 64
+        module="falcon", prefix="Falcon", attn="self_attention", call=dict(alibi=None),
+        real=dict(hidden_size=4544, num_attention_heads=71, multi_query=True, parallel_attn=True, bias=False),
+        tiny=dict(hidden_size=80, num_attention_heads=5, multi_query=True, parallel_attn=True, bias=False,
+                  ffn_hidden_size=128),
+    ),
+    "stablelm": dict(  # StableLM-2-12B: parallel residual, per-head q/k LayerNorms, head dim 160, a quarter rotary
+        module="stablelm", prefix="StableLm",
+        real=dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=32, num_key_value_heads=8,
+                  partial_rotary_factor=0.25, qk_layernorm=True, use_parallel_residual=True),
+        tiny=dict(hidden_size=96, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  partial_rotary_factor=0.25, qk_layernorm=True, use_parallel_residual=True),
+    ),
+    "starcoder2": dict(  # StarCoder2-7B: LayerNorms and projections with bias, gelu_tanh MLP
+        module="starcoder2", prefix="Starcoder2",
+        real=dict(hidden_size=4608, intermediate_size=18432, num_attention_heads=36, num_key_value_heads=4,
+                  sliding_window=4096, bos_token_id=0, eos_token_id=0),
+        tiny=dict(hidden_size=96, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  sliding_window=4096, bos_token_id=0, eos_token_id=0),
+    ),
+    "persimmon": dict(  # Persimmon-8B: relu² MLP, q/k LayerNorms, half of each head rotary
+        module="persimmon", prefix="Persimmon",
+        real=dict(hidden_size=4096, intermediate_size=16384, num_attention_heads=64, partial_rotary_factor=0.5),
+        tiny=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, partial_rotary_factor=0.5),
+    ),
+    "nemotron": dict(  # Minitron-8B: LayerNorm1P (weight + 1), relu² MLP, half of each head rotary
+        module="nemotron", prefix="Nemotron",
+        real=dict(hidden_size=4096, intermediate_size=16384, num_attention_heads=48, num_key_value_heads=8,
+                  head_dim=128, partial_rotary_factor=0.5),
+        tiny=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=24, partial_rotary_factor=0.5),
+    ),
+    "llama4": dict(  # Llama-4-Scout's text layer: complex RoPE, L2 q/k norm, a bmm MoE over every expert
+        module="llama4", prefix="Llama4Text",
+        real=dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+                  num_experts_per_tok=1, num_attention_heads=40, num_key_value_heads=8, head_dim=128),
+        tiny=dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
+                  num_experts_per_tok=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
 }  # fmt: skip
 
 
@@ -119,7 +174,8 @@ def _classes(model: str):
     prefix = spec["prefix"]
     config_class = getattr(config_code, spec.get("config", f"{prefix}Config"))
     layer_class = getattr(code, spec.get("layer", f"{prefix}DecoderLayer"))
-    rotary_class = getattr(code, spec.get("rotary", f"{prefix}RotaryEmbedding"))
+    rotary = spec.get("rotary", f"{prefix}RotaryEmbedding")
+    rotary_class = getattr(code, rotary) if rotary else None  # GPT-J's attention makes its own
     return config_class, layer_class, rotary_class
 
 
@@ -128,7 +184,7 @@ def config(model: str, device) -> object:
     config_class, _, _ = _classes(model)
     dims = _spec(model)[REAL if torch.device(device).type == "cuda" else TINY]
     cfg = config_class(num_hidden_layers=1, **dims)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = _spec(model).get("attn_implementation", "sdpa")
     cfg._experts_implementation = "grouped_mm"
     return cfg
 
@@ -170,13 +226,13 @@ def build(model: str, T: int = 3, device="cpu", dtype=torch.bfloat16, projection
         layer = layer_class(cfg, layer_idx=0)
         _init(layer)
         if projection:
-            layer.self_attn = Projection(cfg.hidden_size)
+            setattr(layer, _spec(model).get("attn", "self_attn"), Projection(cfg.hidden_size))
         layer = layer.to(dtype).eval()
-        rotary = rotary_class(cfg)
         hidden = torch.randn(T, 1, cfg.hidden_size, dtype=dtype)
         position_ids = torch.arange(T).view(T, 1) + 7
-        kwargs = dict(attention_mask=None, position_ids=position_ids)
-        kwargs["position_embeddings"] = _rotary(model, rotary, hidden, position_ids)
+        kwargs = dict(attention_mask=None, position_ids=position_ids, **_spec(model).get("call", {}))
+        if rotary_class is not None:
+            kwargs["position_embeddings"] = _rotary(model, rotary_class(cfg), hidden, position_ids)
     args = (hidden,)
     if model == "deepseek_v4":  # hc_mult residual streams, as DeepseekV4Model makes them
         args = (hidden.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous(),)
