@@ -22,6 +22,7 @@ from fuser.codegen.kernel import Kernel
 from fuser.install.copies import report_copies
 from fuser.codegen.interpreter import interpreter_problem
 from fuser.install.fixed_at_apply import Precomputed, precomputation
+from fuser.install.merged_weights import MergedWeights
 from fuser.install.splice import AlreadyFused, Guard, install, is_fused, module_lock
 from fuser.ir.report import FusedChain, Report, Unfused
 from fuser.match.pattern_files import load_patterns
@@ -51,6 +52,7 @@ class Plan:
     read_at_run_time: list = field(default_factory=list)
     precomputed: Precomputed | None = None  # how to recompute ``constants`` when their parameters change
     literals: dict = field(default_factory=dict)  # module scalar attribute (dotted path) -> value fused in
+    merged: MergedWeights | None = None  # linear layers run as one GEMM on their weights merged at install
 
 
 def plan(
@@ -96,11 +98,13 @@ def plan(
         if leaf["name"] in f.cache_writes:
             leaf["reason"] += "; a layer of transformers' StaticCache (plain or sliding-window) is written by one kernel (fuser.install.kv_cache)"
     report.free_sizes = {name: list(dims) for name, dims in f.free.items()}
+    report.merged_projections, report.projections_apart = list(f.merges), dict(f.merges_refused)
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
     p.literals = dict(report.literals)
     p.cops = cops
+    p.merged = f.merged
     return p
 
 
@@ -114,7 +118,10 @@ def _check_example_inputs(module: torch.nn.Module, example_inputs, example_kwarg
         raise FuserError(f"the example inputs do not fit {type(module).__name__}.forward: {e}") from None
     values, _ = call.flatten(tuple(example_inputs), example_kwargs or {})
     names = call.names
-    batch = batch_dims_of(call, values, batch_inputs)
+    try:
+        batch = batch_dims_of(call, values, batch_inputs)
+    except ValueError as e:
+        raise FuserError(str(e)) from None
     for name, value in zip(names, values):
         dim = batch.get(name)
         if dim is not None and dim < value.dim() and value.shape[dim] == 0:
@@ -256,7 +263,7 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
             except Exception as e:
                 raise FuserError(f"fuser.apply left {name} unchanged: {e}") from e
         try:
-            install(module, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals)
+            install(module, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals, p.merged)
         except AlreadyFused as e:
             raise FuserError(str(e)) from e
     return p

@@ -145,7 +145,25 @@ def _options(args, module, kwargs) -> dict:
     ``FUSER_LEAVES`` and ``FUSER_PRECOMPUTE`` read as the library reads them (``profile`` and
     ``suggest`` plan without ``fuser.apply``)."""
     options = {"leaves": resolve_leaves(module, args.leaf), "patterns": pattern_paths(args.patterns), "example_kwargs": kwargs}
+    if getattr(args, "batch_input", None):
+        options["batch_inputs"] = batch_inputs(args.batch_input)
     return library_options(module, options)
+
+
+def batch_inputs(entries) -> dict[str, int]:
+    """``--batch-input NAME=DIM`` entries -> ``batch_inputs`` (:mod:`fuser.trace.token_dims`):
+    each names a forward parameter (for all its tensors) or one graph input, and the dim of it
+    that follows the tokens; the inputs not named are held at their sizes."""
+    found = {}
+    for entry in entries:
+        name, sep, dim = entry.partition("=")
+        try:
+            found[name.strip()] = int(dim)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise UsageError(f"--batch-input {entry!r}: give NAME=DIM, the input and the dim of it that follows the tokens (hidden_states=0)")
+    return found
 
 
 def _say(args, text: str) -> None:
@@ -361,6 +379,11 @@ def parser() -> argparse.ArgumentParser:
             help="keep this opaque: a submodule name, a module class name or package.module.function (repeatable)",
         )  # fmt: skip
         p.add_argument("--patterns", action="append", metavar="PATH", help="an extra pattern file or directory (repeatable)")
+        p.add_argument(
+            "--batch-input", action="append", metavar="NAME=DIM",
+            help="this input follows the tokens along DIM (repeatable; by default read off the example: "
+                 "dim 0 of the hidden states' size or a multiple of it); the inputs not named are held at their sizes",
+        )  # fmt: skip
 
     module_options(command("explain", cmd_explain, "what fuser fuses in the module, what it rejects and why"))
     module_options(command("check", cmd_check, "run fused vs eager on the factory's inputs; exit 1 on mismatch"))
