@@ -224,7 +224,9 @@ def refused(error: Exception, hint: str = "") -> TraceRefused:
         message = f"{where}: {type(error).__name__}: {message}" if where != UNKNOWN_LOCATION else f"{type(error).__name__}: {message}"
     found = TraceRefused(message + hint)
     found.location = error_location(error)
-    return found
+    # The error's own frames, so that what locates a failure by them (a pattern file's
+    # reference: fuser.match.pattern_files) finds the same line.
+    return found.with_traceback(error.__traceback__)
 
 
 def in_place_idioms(graph: fx.Graph, shadows: dict, state: list) -> list:
