@@ -103,6 +103,53 @@ MLA_WRITES: dict = {}
 DEEPSEEK_V4_TABLES = {"repeat_interleave": 2}
 
 
+# A lone activation between two GEMMs (erf gelu, gelu_tanh): left to PyTorch by its cost
+# (fuser.regions' lone-op policy), one launch either way.
+LONE_GELU = {"gelu": 1}
+LONE_GELU_TANH = {"gelu_tanh": 1}
+# Partial rotary (GPT-NeoX, Phi, Nemotron): the rotary dims of q and k rotated, concatenated with
+# the dims that pass through, both read the same cos/sin.
+PARTIAL_ROPE = ["RoPE of q's and k's rotary dims, concatenated with the dims that pass (one kernel)"]
+# Parallel residual, one LayerNorm per branch of the same input (GPT-NeoX): both in one kernel.
+NEOX_PROJ = [
+    "input_layernorm and post_attention_layernorm, both of the layer's input (one kernel)",
+    "MLP + attention + residual adds",
+]
+# Parallel residual, one LayerNorm shared by attention and MLP (Phi, GPT-J, Falcon, StableLM).
+PARALLEL_GELU_NEW_PROJ = ["input_layernorm", "gelu_new (tanh written out)", "attention + MLP + residual adds"]
+FALCON_PROJ = ["input_layernorm", "mlp_output += attention, + residual (dropout_add)"]
+STABLELM_PROJ = ["input_layernorm", "silu(gate) * up", "residual + attention + MLP"]
+STABLELM_ATTENTION = [
+    "per-head q and k LayerNorms (split, one LayerNorm per head, cat) and partial RoPE (one kernel)"
+]
+STARCODER2_PROJ = ["input_layernorm", "residual add + post_attention_layernorm"]
+RELU2_PROJ = [
+    "input_layernorm (Nemotron's LayerNorm1P: weight + 1 in the kernel)",
+    "residual add + post_attention_layernorm",
+    "relu²",
+]
+PERSIMMON_ATTENTION = ["q and k LayerNorms, partial RoPE, concatenated with the dims that pass (one kernel)"]
+# GPT-J's attention (eager: transformers ships no SDPA class for it) gathers its sin/cos rows
+# from a table by position and computes its softmax between two matmuls.
+GPTJ_ATTENTION = [
+    "RoPE of q and k: the sin/cos table repeated per sequence and gathered by position, "
+    "repeat_interleave'd, rotate_every_two, concatenated with the dims that pass, cast to fp32 (one kernel)",
+    "scores / sqrt(head_dim), softmax, cast back (between the two matmuls)",
+]
+FALCON_ATTENTION = ["RoPE of q and of the one shared k (multi-query: k picked from the fused qkv by index)"]
+# Llama-4's text MoE (Llama4TextMoe) is not token-first: it repeats every token per expert and
+# runs a bmm over [experts, tokens, hidden].
+LLAMA4_PROJ = [
+    "input_layernorm",
+    "residual add + post_attention_layernorm",
+    "router: top-k, -inf scatter, sigmoid; tokens repeated per expert, weighted by their scores (transposed)",
+    "experts' up * silu(gate) (between the two bmms)",
+    "shared expert's silu(gate) * up",
+    "experts' outputs summed over experts, + shared expert, + residual",
+]
+LLAMA4_ATTENTION = ["complex RoPE of q and k and their L2 norms (one kernel: both read freqs_cis)"]
+
+
 def _plus(*counts: dict) -> dict:
     total: dict = {}
     for c in counts:
@@ -127,11 +174,59 @@ BOUNDS = {
     "deepseek_v3": (DEEPSEEK_V3_PROJ + DEEPSEEK_V3_MLA, _plus(ROUTING, GROUP_MASK, MLA_WRITES)),
     "deepseek_v4_proj": (DEEPSEEK_V4_PROJ, ROUTING),
     "deepseek_v4": (DEEPSEEK_V4_PROJ + DEEPSEEK_V4_ATTENTION, _plus(ROUTING, DEEPSEEK_V4_TABLES)),
+    "gpt_neox_proj": (NEOX_PROJ, LONE_GELU),
+    "gpt_neox": (NEOX_PROJ + PARTIAL_ROPE, LONE_GELU),
+    "phi_proj": (PARALLEL_GELU_NEW_PROJ, {}),
+    "phi": (PARALLEL_GELU_NEW_PROJ + PARTIAL_ROPE, {}),
+    "gptj_proj": (PARALLEL_GELU_NEW_PROJ, {}),
+    "gptj": (PARALLEL_GELU_NEW_PROJ + GPTJ_ATTENTION, {}),
+    "falcon_proj": (FALCON_PROJ, LONE_GELU),
+    "falcon": (FALCON_PROJ + FALCON_ATTENTION, LONE_GELU),
+    "stablelm_proj": (STABLELM_PROJ, {}),
+    "stablelm": (STABLELM_PROJ + STABLELM_ATTENTION, {}),
+    "starcoder2_proj": (STARCODER2_PROJ, _plus(LONE_GELU_TANH, LAST_ADD)),
+    "starcoder2": (STARCODER2_PROJ + ROPE, _plus(LONE_GELU_TANH, LAST_ADD)),
+    "persimmon_proj": (RELU2_PROJ, LAST_ADD),
+    "persimmon": (RELU2_PROJ + PERSIMMON_ATTENTION, LAST_ADD),
+    "nemotron_proj": (RELU2_PROJ, LAST_ADD),
+    "nemotron": (RELU2_PROJ + PARTIAL_ROPE, LAST_ADD),
+    "llama4_proj": (LLAMA4_PROJ, {}),
+    "llama4": (LLAMA4_PROJ + LLAMA4_ATTENTION, {}),
+}
+
+# Layers whose glue the chain structure says fuses further than fuser fuses it today: the
+# honest bound stays, the case fails until the op named lowers.
+_REPEAT_GATHER = (
+    "repeat (the sin/cos table per sequence, the positions per table column) and gather (the "
+    "table's rows by position) left eager: no template lowers them, so the RoPE stretch is 4 launches"
+)
+_LLAMA4_ROUTING = (
+    "the tokens' repeat per expert (hidden.repeat(E, 1)), the routing scores' transposed reshape "
+    "(a copy) and the weighting by them left eager: no template lowers repeat, so the stretch from "
+    "the router to the experts' bmm does not fuse"
+)
+NOT_YET = {
+    "gptj": _REPEAT_GATHER,
+    "stablelm": (
+        "cat of StableLmLayerNormPerHead's per-head LayerNorms (of q, of k) left eager: no template "
+        "lowers cat, so the norms, the two cats and the RoPE are 5 launches for one stretch"
+    ),
+    "llama4_proj": _LLAMA4_ROUTING,
+    "llama4": _LLAMA4_ROUTING + "; and the RoPE + L2 norm of q and of k are two kernels",
 }
 
 
+def _cases(names):
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_YET[n]))
+        if n in NOT_YET
+        else n
+        for n in names
+    ]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name", list(BOUNDS))
+@pytest.mark.parametrize("name", _cases(BOUNDS))
 def test_zoo_layer_fuses_within_its_bound(name, dtype):
     layer, args, kwargs = zoo.FACTORIES[name](T=3, dtype=dtype)
     result = fuser.check(layer, args, example_kwargs=kwargs)
@@ -172,3 +267,20 @@ def test_the_residual_add_and_the_norm_after_it_are_one_kernel():
     assert "add_1" in add_norm.outputs and len(add_norm.outputs) == 2  # the sum and the norm
     first = next(c for c in report.chains if "add_1" not in c.nodes and "mul_1" in c.nodes)
     assert first.outputs == ["mul_1"]  # the pre-weight value nobody reads is not written
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="Llama4Router subclasses nn.Linear and goes on past the GEMM in its own forward; fuser.trace "
+    "keeps every nn.Linear whole as a leaf (DEFAULT_LEAF_TYPES, matched by isinstance), so the router's "
+    "top-k, -inf scatter and sigmoid run eager inside the leaf, neither fused nor reported",
+)
+def test_the_glue_of_a_linear_subclass_forward_is_traced():
+    """Llama-4's router is an ``nn.Linear`` whose forward does more than the GEMM (top-k,
+    scatter of the top values into -inf, sigmoid): that glue is the layer's, to fuse or report."""
+    layer, args, kwargs = zoo.FACTORIES["llama4_proj"](T=3)
+    report = fuser.explain(layer, args, example_kwargs=kwargs)
+    fused = [n for c in report.chains for n in c.nodes]
+    eager = [u.node for u in report.unfused]
+    assert any(n.startswith("topk") for n in fused + eager), report.text()
