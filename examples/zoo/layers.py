@@ -24,7 +24,11 @@ import importlib
 import torch
 import torch.nn as nn
 
-# model -> (transformers module, config class, decoder layer class, rotary class, real dims, tiny dims)
+# model -> (transformers module, config class, decoder layer class, rotary class, real dims, tiny dims);
+# where the model's names differ: ``layer`` (GPT-NeoX's GPTNeoXLayer), ``attn`` (the layer's attention
+# attribute, which ``_proj`` replaces), ``rotary=None`` (GPT-J's attention makes its own sin/cos),
+# ``attn_implementation`` (GPT-J ships no SDPA class), ``call`` (more arguments the model's own
+# forward passes the layer: Falcon's ``alibi=None``).
 REAL, TINY = "real", "tiny"
 MODELS = {
     "qwen3": dict(  # Qwen3-8B
