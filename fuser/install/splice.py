@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from fuser.install.fixed_at_apply import Literals, ModuleSnapshot, Precomputed, read_attributes, version_stamp
+from fuser.install.merged_weights import MergedWeights
 from fuser.trace.call_spec import CallSpec
 from fuser.trace.refusal import user_stacklevel
 from fuser.trace.tracing import Traced
@@ -158,6 +159,7 @@ class FuserState:
     literals: Literals = field(default_factory=lambda: Literals({}))
     snapshot: ModuleSnapshot | None = None
     calls: CallCounts = field(default_factory=CallCounts)
+    merged: MergedWeights | None = None  # linear layers whose weights are merged (their parameters views)
 
     def stale(self, module: torch.nn.Module) -> tuple[str | None, bool]:
         """(None, _) when what the fused graph fixed at apply time still holds; else (what
@@ -166,6 +168,8 @@ class FuserState:
             why = self.snapshot.differs(module)
             if why is not None:
                 return why, False
+        if self.merged is not None and not self.merged.current(module):
+            return "linear layers' weights no longer fit the merged GEMM (or were replaced inside a CUDA-graph capture)", False
         if self.literals.values and not self.literals.current(module):
             return "a scalar attribute the fused graph holds changed", True
         if self.precomputed is not None and not self.precomputed.current(module):
@@ -257,6 +261,7 @@ def install(
     constants=None,
     precomputed: Precomputed | None = None,
     literals: dict[str, Any] | None = None,
+    merged: MergedWeights | None = None,
 ) -> None:
     """Route ``module.forward`` through the guard to ``fused_forward`` (a function, or a method
     whose function is called with the module as ``self``).
@@ -265,6 +270,8 @@ def install(
     buffers, so ``state_dict`` is unchanged; they hold values computed from parameters, which
     ``precomputed`` recomputes after those change. ``literals`` are the module's scalar
     attributes the fused graph holds as constants (dotted path -> value at apply time).
+    ``merged`` concatenates the weights of linear layers the fused graph runs as one GEMM and
+    makes their parameters views of it (:mod:`fuser.install.merged_weights`).
     Raises :class:`AlreadyFused` (leaving the module as it is) when it is fused already.
     """
     constants = constants or {}
@@ -276,9 +283,11 @@ def install(
             object.__setattr__(module, name, value)
         if precomputed is not None:
             precomputed.seen = version_stamp(read_attributes(module, precomputed.sources))
+        if merged is not None:
+            merged.merge(module)
         state = FuserState(
             module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {})),
-            ModuleSnapshot.of(module),
+            ModuleSnapshot.of(module), merged=merged,
         )
         add_copy_hooks(module)
         object.__setattr__(module, STATE_ATTR, state)
@@ -355,6 +364,8 @@ def restore(module: torch.nn.Module) -> None:
             module.forward = state.original_forward
         for name in state.constants:
             module.__dict__.pop(name, None)
+        if state.merged is not None:
+            state.merged.remove(module)  # (the layers' parameters stay views of the merged tensors)
         if not any(n.startswith(FUSER_PREFIX) and n != STATE_ATTR for n in module.__dict__):
             remove_copy_hooks(module)  # (a model's module that holds fuser's report keeps them)
         del module.__dict__[STATE_ATTR]

@@ -53,6 +53,8 @@ class Report:
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
     state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
     free_sizes: dict = field(default_factory=dict)  # input -> dims of any size at each call (fuser.install.free_sizes)
+    merged_projections: list[str] = field(default_factory=list)  # linear layers run as one GEMM ("a + b + c")
+    projections_apart: dict = field(default_factory=dict)  # linear layers of one input left apart -> why
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -106,6 +108,12 @@ class Report:
                       f"the same inputs (fuser.install.once_per_forward): {', '.join(self.shared)}"]
         if self.precomputed:
             lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
+        if self.merged_projections:
+            lines += ["", "linear layers of one input run as one GEMM on their weights merged (their parameters views of it):"]
+            lines += [f"  {names}" for names in self.merged_projections]
+        if self.projections_apart:
+            lines += ["", "linear layers of one input left apart:"]
+            lines += [f"  {names}: {why}" for names, why in self.projections_apart.items()]
         if self.literals:
             values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
             lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]

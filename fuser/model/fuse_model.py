@@ -236,7 +236,7 @@ def _computed(precomputed, layer: nn.Module) -> tuple:
 
 
 def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, literals=None) -> None:
-    install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals)
+    install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals, p.merged)
     fused.append(layer)
 
 

@@ -30,10 +30,12 @@ from fuser.codegen.kernel import Kernel
 from fuser.install.copies import Copy, copy_kernels, install_copies
 from fuser.install.fused_graph import compile_forward, rewrite_graph
 from fuser.install.kv_cache import write_in_one_kernel
+from fuser.install.merged_weights import MergedWeights
 from fuser.install.free_sizes import free_sizes, reached_from
 from fuser.install.leaf_sizes import fed_by_state, size_checked
 from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
+from fuser.pipeline.merged_projections import merge_projections
 from fuser.pipeline.passes import Planning, planning
 from fuser.trace import tracing
 from fuser.trace.tracing import Traced, trace
@@ -64,6 +66,9 @@ class Fusing:
     survivors: set = field(default_factory=set)  # rewrite_graph: the traced nodes it keeps
     free: dict = field(default_factory=dict)  # rewrite_graph: input -> dims of any size (install.free_sizes)
     cache_writes: list[str] = field(default_factory=list)  # static_cache_write: the calls changed
+    merged: MergedWeights | None = None  # merge_projections: the groups merged
+    merges: list[str] = field(default_factory=list)  # merge_projections: each group merged, named
+    merges_refused: dict[str, str] = field(default_factory=dict)  # merge_projections: group -> why not
     forward: Callable | None = None  # compile_forward
 
     @property
@@ -176,6 +181,10 @@ def static_cache_write(f: Fusing) -> None:
     f.cache_writes = write_in_one_kernel(f.graph, f.traced)
 
 
+def merged_projection_groups(f: Fusing) -> None:
+    f.merged, f.merges, f.merges_refused = merge_projections(f.graph, f.module, f.traced, f.cops, f.covered())
+
+
 def compiled_forward(f: Fusing) -> None:
     f.forward = compile_forward(f.graph, f.module)
 
@@ -199,6 +208,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("rewrite_graph", fused_graph, "the fused graph: kernels in, the nodes they replace out", required=True),
     Pass("install_copies", copies_installed, "the copy kernels put in the fused graph", off_with="copy_kernels"),
     Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),
+    Pass("merge_projections", merged_projection_groups, "linear layers that read one input as one GEMM on their weights concatenated at apply time"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip
 

@@ -30,6 +30,7 @@ NAMES = [
     "rewrite_graph",
     "install_copies",
     "static_cache_write",
+    "merge_projections",
     "compile_forward",
 ]
 REQUIRED = ["trace", "canonicalize", "place", "rewrite_graph", "compile_forward"]
