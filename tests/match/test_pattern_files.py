@@ -350,13 +350,13 @@ class OnlyAtan(nn.Module):
         return torch.atan(x) * 3.0
 
 
-class CumsumScaled(nn.Module):
+class CumprodScaled(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 32).to(torch.bfloat16))
 
     def forward(self, x):
-        return (torch.cumsum(x.float(), -1) * self.weight).to(x.dtype)
+        return (torch.cumprod(x.float(), -1) * self.weight).to(x.dtype)
 
 
 UNLOWERED = {
@@ -373,9 +373,9 @@ UNLOWERED = {
 
         PATTERN = dict(template="pointwise", inputs=dict(x=tensor("T, N", "bfloat16 float32")))
     """),
-    "cumsum_scaled": (CumsumScaled, "cumsum", """
+    "cumprod_scaled": (CumprodScaled, "cumprod", """
         def reference(x, weight):
-            return (torch.cumsum(x.float(), -1) * weight).to(x.dtype)
+            return (torch.cumprod(x.float(), -1) * weight).to(x.dtype)
 
         PATTERN = dict(
             template="row_reduce",
