@@ -34,8 +34,26 @@ from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches,
 from fuser.trace.refusal import calling_line, error_location, refuse
 from fuser.trace.token_dims import grow
 
-# Module types kept opaque whatever the user says: the heavy ops of a decode layer.
+# Module types kept opaque whatever the user says: the heavy ops of a decode layer. A subclass
+# is one too unless its class defines a forward of its own (:func:`is_default_leaf`).
 DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
+
+
+def is_default_leaf(module: torch.nn.Module) -> bool:
+    """Is ``module`` one of :data:`DEFAULT_LEAF_TYPES` running that type's own forward?
+
+    A subclass whose class overrides ``forward`` may do more than the GEMM or the lookup
+    (transformers' ``Llama4Router``: ``super().forward(x)``, then top-k, a scatter into -inf and
+    a sigmoid): it is traced into like any module, so that its glue is fused or reported, and
+    the ``F.linear`` / ``F.embedding`` it reaches is the heavy op. Code inside that cannot be
+    traced (a quantised linear's own kernel) becomes a leaf by the usual rules
+    (:mod:`fuser.trace.leaves`), with its reason. A subclass that keeps the base's forward
+    (``NonDynamicallyQuantizableLinear``, a parametrized ``Linear``) stays whole; so does a
+    forward set on the instance (a hook wrapper's), which only the module call runs."""
+    for base in DEFAULT_LEAF_TYPES:
+        if isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
 
 
 def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
@@ -78,7 +96,7 @@ class ShadowTracer(fx.Tracer):
         # submodules kept opaque whatever their name (fuser.trace.leaves.resolve_leaves): held,
         # so that an id is never a freed module's
         self.leaf_modules = {id(m): m for m in leaf_modules}
-        self.leaf_types = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_types)
+        self.leaf_types = tuple(leaf_types)  # a user's: every instance, subclasses too
         self.shadows: dict[str, tuple[Any, Any]] = {}
         self._placeholder_values: dict[str, tuple[Any, Any]] = {}
         self._eager_depth = 0
@@ -98,6 +116,7 @@ class ShadowTracer(fx.Tracer):
         return (
             qualified_name in self.leaf_names
             or id(m) in self.leaf_modules
+            or is_default_leaf(m)
             or isinstance(m, self.leaf_types)
             or is_opaque(type(m))
             or is_opaque(m)

@@ -270,13 +270,6 @@ def test_the_residual_add_and_the_norm_after_it_are_one_kernel():
     assert first.outputs == ["mul_1"]  # the pre-weight value nobody reads is not written
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Llama4Router subclasses nn.Linear and goes on past the GEMM in its own forward; fuser.trace "
-    "keeps every nn.Linear whole as a leaf (DEFAULT_LEAF_TYPES, matched by isinstance), so the router's "
-    "top-k, -inf scatter and sigmoid run eager inside the leaf, neither fused nor reported",
-)
 def test_the_glue_of_a_linear_subclass_forward_is_traced():
     """Llama-4's router is an ``nn.Linear`` whose forward does more than the GEMM (top-k,
     scatter of the top values into -inf, sigmoid): that glue is the layer's, to fuse or report."""
