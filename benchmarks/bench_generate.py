@@ -36,41 +36,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fuser  # noqa: E402
-from examples.zoo import layers as zoo  # noqa: E402
+from benchmarks import causal_lms  # noqa: E402
+from benchmarks.causal_lms import MODELS  # noqa: E402
 
 OUT = ROOT / "benchmarks/results"
 PROMPT, NEW = 32, 128
-# name -> (zoo model, decoder layers, config overrides)
-MODELS = {
-    "llama_1b": ("llama", 16, dict(  # Llama-3.2-1B
-        hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-        vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)),
-    "qwen3_8b": ("qwen3", 4, {}),
-    # 64 of the 256 routed experts, so that the weights of 2 layers fit
-    "deepseek_v4_flash": ("deepseek_v4", 2, {"n_routed_experts": 64}),
-}
 VARIANTS = ("eager", "eager static", "compile", "fuser", "fuser static", "fuser graphs")
 
 
 def causal_lm(name: str):
-    model, layers, changes = MODELS[name]
-    cfg = zoo.config(model, "cuda" if model in zoo.MODELS else "cpu")  # a model of UNSEEN: its dims given here
-    cfg.num_hidden_layers = layers
-    for key in ("layer_types", "mlp_layer_types"):
-        if getattr(cfg, key, None):
-            setattr(cfg, key, getattr(cfg, key)[:1] * layers)
-    for key, value in changes.items():
-        setattr(cfg, key, value)
-    if model == "deepseek_v4":
-        cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
-    if "moe" not in model and "deepseek" not in model:
-        cfg._experts_implementation = None
-    spec = zoo.MODELS.get(model) or zoo.UNSEEN[model]
-    code = __import__(f"transformers.models.{spec['module']}", fromlist=["_"])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        lm = getattr(code, spec["prefix"] + "ForCausalLM")(cfg)
-    lm = lm.to(torch.bfloat16).eval()
+    lm = causal_lms.causal_lm(name)
     lm.generation_config.eos_token_id = None  # random weights: every run makes all NEW tokens
     lm.generation_config.pad_token_id = 0
     return lm

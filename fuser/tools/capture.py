@@ -124,3 +124,30 @@ def replay_time_us(graph, iters: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000.0 / iters
+
+
+def replay_kernels(graph, replays: int = 10) -> list[tuple[str, float, float]]:
+    """Every kernel (and copy, memset) of ``replays`` back-to-back replays, traced with
+    torch.profiler after a warm replay: (name, start µs, end µs), in order of start."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events]
+    return sorted(kernels, key=lambda k: k[1])
+
+
+def busy_us(intervals) -> float:
+    """How long at least one of ``intervals`` ((start, end) pairs, or (name, start, end) triples)
+    runs: the length of their union (kernels on several streams overlap; each instant counts once)."""
+    spans = sorted((span[-2], span[-1]) for span in intervals)
+    total, reach = 0.0, float("-inf")
+    for start, end in spans:
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
