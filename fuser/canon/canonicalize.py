@@ -67,6 +67,8 @@ _VIEW_METHODS = {
     "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
     "permute", "transpose", "t", "narrow", "view_as", "reshape_as", "movedim", "select",
 }  # fmt: skip
+# Attributes that are views (``weight.T``: FalconLinear's ``input @ self.weight.T``).
+_VIEW_ATTRIBUTES = {"T", "mT"}
 # Reinterpretations that launch nothing in eager (they return views); in a kernel they split a
 # trailing pair of floats into a complex value's (re, im), join it back, or negate im.
 _PAIR_VIEWS = {"view_as_complex", "view_as_real", "conj"}
@@ -186,7 +188,8 @@ class Canonicalizer:
             # no kernel computes integers yet; a cast like any other, so that the spellings of
             # one chain that cast to different dtypes per device compare (x.float() / x.int())
             return self.make(node, "cast", UNSUPPORTED, (source,), {"dtype": value.dtype})
-        is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem)
+        transposed = target is builtins.getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
+        is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem) or transposed
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
         index_ok = value.dtype == torch.int64 and ops.TABLE.get(name, None) and ops.TABLE[name].result == ops.INDEX_RESULT
         index_ok = index_ok or index_arithmetic(self, node, _ALIASES.get(name, name), value)
@@ -202,7 +205,7 @@ class Canonicalizer:
             return self.make(node, "identity", COMPUTE, (source,))  # dropout in eval mode
         if node.op == "call_method" and name in _TRANSPARENT_METHODS or name in ("contiguous", "clone"):
             return cast_or_copy(self, node)
-        if name in _VIEW_METHODS or target is operator.getitem or name in ("chunk", "split"):
+        if name in _VIEW_METHODS or target is operator.getitem or name in ("chunk", "split") or transposed:
             return view(self, node)
         if name in TENSOR:  # cat, gather, scatter, stack, repeat_interleave, masked_fill, layer_norm, gelu
             return TENSOR[name](self, node)

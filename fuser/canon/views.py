@@ -56,12 +56,19 @@ def view(cz, node):
         index = index if isinstance(index, tuple) else (index,)
         if len(index) == 1 and _row_gather(cz, src, index[0]):
             return cz.make(node, "gather_rows", COMPUTE, (src, index[0]))
-        if any(isinstance(i, fx.Node) or isinstance(i, torch.Tensor) for i in index):
+        if any(isinstance(i, (fx.Node, torch.Tensor)) or _constant_list(i) for i in index):
+            # (a constant list too: aten.index, a copy, its list copied to the device first; one
+            # that picks a range is a slice already, fuser.trace.constant_indices)
             return cz.make(node, "index", UNSUPPORTED, (src,) + tuple(i for i in index if isinstance(i, fx.Node)))
     return _view_of(cz, node, src)
 
 
 def index_arithmetic(cz, node, name: str, value) -> bool:
+def _constant_list(entry) -> bool:
+    """Is ``entry`` of an index a list or tuple of numbers or flags (an advanced index)?"""
+    return isinstance(entry, (list, tuple)) and all(isinstance(v, (int, bool, list, tuple)) for v in entry)
+
+
     """Integer pointwise math a kernel computes exactly (``perm // top_k``): an op with an
     integer expression, on tensors of the result's integer dtype and integer literals."""
     if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:

@@ -290,13 +290,6 @@ class _AtenCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a getitem with a constant list index (Falcon's multi-query k and v: fused_qkv[..., [-2], :], "
-    "[..., [-1], :]) is read as a view (fuser.canon.views.view), but it is aten.index: the fused forward "
-    "still runs both (a kernel each, and on a GPU a host-to-device copy of the list), counted nowhere",
-)
 def test_every_index_kernel_the_fused_falcon_runs_is_in_its_report():
     layer, args, kwargs = zoo.FACTORIES["falcon"](T=3, dtype=torch.float32)
     report = fuser.apply(layer, args, example_kwargs=kwargs)
