@@ -31,6 +31,7 @@ from fuser.model.layer_stacks import decoder_stacks, layer_stacks  # noqa: F401 
 from fuser.model.progress import Progress
 from fuser.model.recording import record_calls
 from fuser.trace.call_spec import CallSpec, with_state_copied
+from fuser.trace.token_dims import infer_batch_inputs
 from fuser.model.layer_structure import attributes_read_by_leaves, graph_key, groups_of, read_argument_at_run_time
 from fuser.install.fused_graph import compile_forward
 from fuser.install.once_per_forward import share_within, unshare
@@ -359,13 +360,15 @@ def _near_ties(layer: nn.Module, p: Plan, inputs: list, rows: int) -> set[int]:
 
 
 def _batch_inputs(layer: nn.Module, args, kwargs, batch: int | None = None) -> dict[str, int]:
-    """The layer's tensor inputs that follow the batch of its hidden states (dim 0 of the same
-    size; or of ``batch``, for a module above the layers: the layers' batch); the rest (rotary
-    tables of one position for all sequences) are the same for all."""
+    """The layer's tensor inputs that follow the batch of its hidden states, read as a single
+    module's are (:func:`fuser.trace.token_dims.infer_batch_inputs`): dim 0 of the same size,
+    or of a multiple of it (an ALiBi bias ``[batch·heads, 1, kv]``: that many rows per
+    sequence); ``batch``, for a module above the layers: the layers' batch. The rest (rotary
+    tables of one position for all sequences) are held at their sizes."""
     call = CallSpec.of(layer.forward, args, kwargs)
     tensors, _ = call.flatten(args, kwargs)
     batch = args[0].shape[0] if batch is None else batch
-    return {n: 0 for n, t in zip(call.names, tensors) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch}
+    return infer_batch_inputs(call.names, tensors, tokens=batch)
 
 
 def _fuse_other(name, module, call, options, report: ModelReport, fused: list, progress: Progress) -> None:

@@ -28,12 +28,14 @@ import torch
 from fuser.trace.call_spec import CallSpec
 
 
-def infer_batch_inputs(names: Sequence[str], inputs: Sequence[Any]) -> dict[str, int]:
-    """Graph input name -> the dim that follows the tokens, read off the example (above)."""
+def infer_batch_inputs(names: Sequence[str], inputs: Sequence[Any], tokens: int | None = None) -> dict[str, int]:
+    """Graph input name -> the dim that follows the tokens, read off the example (above).
+    ``tokens``: the token count, where the caller knows it (a model's layers' batch, for a
+    module above them); by default dim 0 of the first tensor input."""
     tensors = [(n, v) for n, v in zip(names, inputs) if isinstance(v, torch.Tensor) and v.dim() >= 1]
     if not tensors:
         return {}
-    tokens = tensors[0][1].shape[0]
+    tokens = tensors[0][1].shape[0] if tokens is None else tokens
     found = {}
     for name, value in tensors:
         first = value.shape[0]

@@ -132,9 +132,9 @@ def trace(
     submodule whose forward cannot be traced becomes a leaf by
     itself, and so is each call into compiled code (listed in ``Traced.automatic_leaves``;
     :mod:`fuser.trace.leaves`); only code of the traced forward itself is refused. ``batch_inputs``
-    maps forward parameter names (or graph input names) to their batch dim (default: dim 0 of
-    every tensor input). Buffers the forward mutates are restored. ``rewrites``: the graph
-    rewrites the trace ends with, in order (default :data:`REWRITES`, all of them; the pipeline
+    maps forward parameter names (or graph input names) to their batch dim (default: read off
+    the example, :func:`fuser.trace.token_dims.infer_batch_inputs`). Buffers the forward
+    mutates are restored. ``rewrites``: the graph rewrites the trace ends with, in order (default :data:`REWRITES`, all of them; the pipeline
     passes those its pass list has switched on, :mod:`fuser.pipeline.pass_list`).
     """
     rewrites = REWRITES if rewrites is None else tuple(rewrites)
