@@ -6,7 +6,11 @@ attention mask goes to ``scaled_dot_product_attention`` — is computed on by co
 size, so a size of it may differ from call to call: transformers' 4-D mask grows by a key each
 step of a dynamic cache. Such a dim is *free* (:func:`free_sizes`), unless the graph holds a
 number that may have been read off it: where its size, or one more or less, is a literal of
-any node (a slice ``mask[..., :6]`` of a length read at trace time), the dim stays held.
+any node (a slice ``mask[..., :6]`` of a length read at trace time), the dim stays held. So it
+does where that size is one of a value a kernel reads that a call given state returned: a
+dynamic cache's keys grow with the mask, and a kernel built for their length raises when they
+grow (:mod:`fuser.install.leaf_sizes`) after the cache was written; the guard, holding the
+mask's length, declines that call before anything runs.
 Size-1 dims (broadcast heads) stay held too. A kernel computed from a free input through a
 leaf checks its sizes at run time (:mod:`fuser.install.leaf_sizes`).
 """
@@ -21,12 +25,13 @@ from fuser.ir.canonical_op import HEAVY
 from fuser.trace.tracing import Traced
 
 
-def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node]) -> dict[str, tuple[int, ...]]:
+def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node] = frozenset()) -> dict[str, tuple[int, ...]]:
     """Graph input name -> its dims that may take any size at each call. ``kernel_nodes``: the
     traced nodes the kernels compute or copy; a leaf (a ``HEAVY`` node) is taken to give a
     result whose sizes do not follow its inputs' (an attention's output does not follow its
-    mask's keys): :func:`reached_from` tells which kernels to check at run time all the same."""
-    literals = _int_literals(traced.graph)
+    mask's keys): :func:`reached_from` tells which kernels to check at run time all the same.
+    ``fed``: the nodes computed from a call given state (:func:`fuser.install.leaf_sizes.fed_by_state`)."""
+    literals = _int_literals(traced.graph) | _state_sizes(traced, kernel_nodes, fed)
     free = {}
     for node in traced.graph.nodes:
         if node.op != "placeholder" or _reaches(node, kernel_nodes, cops):
@@ -40,6 +45,17 @@ def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node]) -> dict[s
         if dims:
             free[node.name] = dims
     return free
+
+
+def _state_sizes(traced: Traced, kernel_nodes: set[fx.Node], fed: set[fx.Node]) -> set[int]:
+    """The sizes of the values computed from a call given state that a kernel computes or reads."""
+    sizes: set[int] = set()
+    for node in fed:
+        if node in kernel_nodes or any(u in kernel_nodes for u in node.users):
+            value = traced.shadows.get(node.name, (None,))[0]
+            if isinstance(value, torch.Tensor):
+                sizes.update(s for s in value.shape if s > 1)
+    return sizes
 
 
 def _reaches(node: fx.Node, kernel_nodes: set[fx.Node], cops: dict) -> bool:

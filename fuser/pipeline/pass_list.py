@@ -162,8 +162,9 @@ def share_once_per_forward(f: Fusing) -> None:
 
 def fused_graph(f: Fusing) -> None:
     copied = {c.node for c in f.copies}
-    f.free = free_sizes(f.traced, f.cops, f.covered() | copied)
-    fed = fed_by_state(f.traced) | reached_from(f.traced.graph, f.free)
+    from_state = fed_by_state(f.traced)
+    f.free = free_sizes(f.traced, f.cops, f.covered() | copied, from_state)
+    fed = from_state | reached_from(f.traced.graph, f.free)
     launchers = {
         i: size_checked(once_per_forward(k.launch) if k in f.shared else k.launch, k.path.name if k.path else str(i),
                         k.region.inputs, f.traced, fed)

@@ -43,3 +43,27 @@ def test_a_kernel_fed_by_a_grown_cache_raises_naming_the_size():
         assert torch.allclose(module(x, copy.deepcopy(same)), expected, atol=1e-6)
         with pytest.raises(StateSizeChanged, match=r"of size \('T', 1, 1, 5\) and got \(2, 1, 1, 7\)"):
             module(x, cache_holding(6))
+
+
+class MaskedAttention(SoftmaxAttention):
+    """An attention mask that reaches only a leaf (sdpa), beside glue over the cache's keys: the
+    mask's length is the keys' length, so the guard holds it."""
+
+    def forward(self, x, mask, cache):
+        k, v = cache.update(self.k(x).unsqueeze(1), self.k(x).unsqueeze(1), 0)
+        q = self.q(x).unsqueeze(1)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        w = torch.softmax((q @ k.transpose(-1, -2) * 0.25).float(), -1).to(x.dtype)
+        return x + attended.squeeze(1) + (w @ v).squeeze(1)
+
+
+def test_a_mask_as_long_as_a_cache_a_kernel_reads_is_held_and_a_grown_call_declined():
+    module = MaskedAttention().eval()
+    x = torch.randn(2, 1, 16)
+    report = fuser.apply(module, (x, torch.zeros(2, 1, 1, 5), cache_holding(4)))
+    assert "mask" not in report.free_sizes, report.free_sizes
+    with torch.no_grad():
+        grown, mask = cache_holding(6), torch.zeros(2, 1, 1, 7)
+        expected = type(module).forward(module, x, mask, copy.deepcopy(grown))
+        assert torch.allclose(module(x, mask, grown), expected, atol=1e-6)  # declined, not raised
+    assert fuser.stats(module)[""]["declined"] == {"mask dim 3 is 7, traced with 5": 1}
