@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon.registry import canonical
-from fuser.ir.canonical_op import COMPUTE, CONSTANTS, META, UNSUPPORTED, bound_args, op_name, tensor_args, writes_into
+from fuser.ir.canonical_op import COMPUTE, CONSTANTS, KERNEL_DTYPES, META, UNSUPPORTED, bound_args, op_name, tensor_args, writes_into
 
 
 @canonical("topk", several=True)
@@ -167,24 +167,64 @@ def normalize(cz, node):
     return cz.make(node, "normalize", COMPUTE, (x,), {"dim": (dim % rank,), "ord": float(p), "eps": float(eps)})
 
 
-@canonical("repeat")
+@canonical("repeat", any_dtype=True)
 def repeat(cz, node):
     """``x.repeat(r0, r1, ...)`` with constant repeats, one per dim, the tokens' 1: along the
     last axis alone it is a concatenation of ``x`` with itself (``cat((x,) * r, -1)``);
-    along others a ``repeat`` (element j of a repeated axis of n is the source's j % n)."""
+    along others a ``repeat`` (element j of a repeated axis of n is the source's j % n).
+
+    A repeat that only spreads unit axes (and axes it adds in front) is a broadcast: attribute
+    ``broadcast``, exact at any dtype (GPT-J's positions per table column, int64). Repeated
+    along the tokens, it is a table that does not follow them, the same at every token (GPT-J's
+    sin/cos table repeated per sequence: ``table.repeat(T, 1, 1)``, T read off the tokens)."""
     repeats = node.args[1:] if len(node.args) > 1 else node.kwargs.get("repeats", ())
     if len(repeats) == 1 and isinstance(repeats[0], (tuple, list, torch.Size)):
         repeats = tuple(repeats[0])
     x = node.args[0]
-    rank = cz.value(x).dim() if isinstance(x, fx.Node) else -1
+    src = cz.value(x) if isinstance(x, fx.Node) else None
+    out = cz.value(node)
+    rank = src.dim() if isinstance(src, torch.Tensor) else -1
+    broadcast = _broadcast_repeat(cz, node, x, repeats)
+    if broadcast:
+        return cz.make(node, "repeat", COMPUTE, (x,), {"repeats": broadcast, "broadcast": True})
     if (
-        len(repeats) != rank or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in repeats)
+        out.dtype not in KERNEL_DTYPES or len(repeats) != rank
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in repeats)
         or any(repeats[d] != 1 for d in cz.batch_dims(x))
     ):  # fmt: skip
-        return cz.make(node, "repeat", UNSUPPORTED, tensor_args(node))
+        dtype = "" if out.dtype in KERNEL_DTYPES else f"[{str(out.dtype).replace('torch.', '')}]"
+        return cz.make(node, f"repeat{dtype}", UNSUPPORTED, tensor_args(node))
     if all(r == 1 for r in repeats[:-1]):
         return cz.make(node, "cat", COMPUTE, (x,) * repeats[-1], {"dim": rank - 1})
     return cz.make(node, "repeat", COMPUTE, (x,), {"repeats": tuple(repeats)})
+
+
+def _broadcast_repeat(cz, node, x, repeats) -> tuple | None:
+    """The repeats (the tokens' as -1) when ``x.repeat(*repeats)`` only spreads axes of size 1
+    of ``x`` (those it adds in front included): then every element is the source's one. A
+    repeat given by a size (``position_ids.shape[0]``) must be the tokens' count, of a source
+    that does not follow the tokens. Repeats of 1 only are a copy of the source, one as well.
+    None otherwise."""
+    src, out = cz.value(x) if isinstance(x, fx.Node) else None, cz.value(node)
+    if not isinstance(src, torch.Tensor) or not repeats or len(repeats) < src.dim():
+        return None
+    if out.dtype not in KERNEL_DTYPES and out.dtype not in (torch.int64, torch.int32):
+        return None
+    aligned = (1,) * (len(repeats) - src.dim()) + tuple(src.shape)
+    tokens, found = cz.batch_dims(node), []
+    for axis, (r, size) in enumerate(zip(repeats, aligned)):
+        if isinstance(r, fx.Node):  # a size read off the example: must be the tokens'
+            if axis not in tokens or cz.batch_dims(x) or size != 1:
+                return None
+            found.append(-1)
+        elif not isinstance(r, int) or isinstance(r, bool) or r < 1 or (r > 1 and size != 1):
+            return None
+        else:
+            found.append(r)
+    offset = len(repeats) - src.dim()  # the source's dims, aligned at the end
+    if any(found[d + offset] != 1 for d in cz.batch_dims(x)):
+        return None
+    return tuple(found)
 
 
 @canonical("pad")

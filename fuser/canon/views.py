@@ -13,6 +13,8 @@ import torch.fx as fx
 
 from fuser.ir import ops
 from fuser.canon.registry import canonical
+from fuser.canon.joins import cat_of_units
+from fuser.canon.table_reads import gather_of_spread_table
 from fuser.ir.canonical_op import COMPUTE, KERNEL_DTYPES, META, UNIT_VIEW, UNSUPPORTED, VIEW, bound_args, op_name, tensor_args
 
 _MAY_COPY = {"reshape", "flatten", "reshape_as"}  # views when the layout allows, else copies
@@ -63,12 +65,12 @@ def view(cz, node):
     return _view_of(cz, node, src)
 
 
-def index_arithmetic(cz, node, name: str, value) -> bool:
 def _constant_list(entry) -> bool:
     """Is ``entry`` of an index a list or tuple of numbers or flags (an advanced index)?"""
     return isinstance(entry, (list, tuple)) and all(isinstance(v, (int, bool, list, tuple)) for v in entry)
 
 
+def index_arithmetic(cz, node, name: str, value) -> bool:
     """Integer pointwise math a kernel computes exactly (``perm // top_k``): an op with an
     integer expression, on tensors of the result's integer dtype and integer literals."""
     if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:
@@ -206,6 +208,9 @@ def gather(cz, node):
             and rank - 1 not in cz.batch_dims(x)
         ):  # fmt: skip
             return cz.make(node, "gather_last", COMPUTE, (x, index))
+        spread = gather_of_spread_table(cz, node, x, dim, index)
+        if spread is not None:
+            return spread
         rows = _per_row_index(cz, index, src)
         if dim % max(rank, 1) == 0 and rows is not None and _row_gather(cz, x, rows):
             return cz.make(node, "gather_rows", COMPUTE, (x, rows))  # the index repeats one position per row
@@ -263,6 +268,9 @@ def cat(cz, node):
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     rank = cz.value(node).dim()
+    units = cat_of_units(cz, node, parts, dim)
+    if units is not None:
+        return units
     if not all(isinstance(p, fx.Node) for p in parts) or dim % rank != rank - 1:
         return cz.make(node, "cat", UNSUPPORTED, tuple(p for p in parts if isinstance(p, fx.Node)))
     return cz.make(node, "cat", COMPUTE, tuple(parts), {"dim": rank - 1})

@@ -232,6 +232,7 @@ _ENTRIES = [
     Op("slice", LAYOUT, 1, lowering="pairs_and_parts", whole_block=True),
     Op("cat", LAYOUT, None, lowering="pairs_and_parts", whole_block=True),
     Op("stack", LAYOUT, None, lowering="stack", whole_block=True),
+    Op("cat_units", LAYOUT, None, lowering="cat_units", whole_block=True),  # cat along a middle axis, parts one wide
     Op("repeat_interleave", LAYOUT, 1, lowering="repeat_interleave", params=("repeats", "dim"), whole_block=True),
     Op("repeat", LAYOUT, 1, lowering="repeat", whole_block=True),  # x.repeat(...) along non-token axes
     Op("pad", LAYOUT, 1, lowering="pad", whole_block=True),  # F.pad(x, (left, right), value=v) on the last axis
@@ -241,6 +242,8 @@ _ENTRIES = [
     # indexing
     Op("gather_rows", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
     Op("gather_last", INDEX, 2, lowering="pairs_and_parts", whole_block=True),
+    # torch.gather of a table spread over the tokens, one position per token: the table's row there
+    Op("gather_table", INDEX, 2, lowering="gather_table", whole_block=True),
     Op("scatter_last", INDEX, 3, lowering="scatter_last", whole_block=True),  # x.scatter(-1, index, value)
     Op("index_add_last", INDEX, 3, lowering="index_add_last", whole_block=True),  # x.index_add(-1, index, source)
     Op("group_rows", INDEX, 1, lowering="group_rows", whole_block=True),  # a row gather's rows, k per token

@@ -56,6 +56,19 @@ def stack(lw, node: fx.Node, cop: COp):
     return lw.emit(node, expr)
 
 
+@lowering("cat_units")
+def cat_units(lw, node: fx.Node, cop: COp):
+    """``torch.cat(parts, dim)`` along a middle axis, each part one wide there: element i along
+    it is part i (broadcast along that axis), one select per part."""
+    axis = lw.block_axis(node, cop.attr("dim"))
+    rank = len(lw.padded(node))
+    which = expanded(f"tl.arange(0, {lw.padded(node)[axis]})", axis, rank)
+    expr = lw.f32(cop.args[-1])
+    for i in reversed(range(len(cop.args) - 1)):
+        expr = f"tl.where({which} == {i}, {lw.f32(cop.args[i])}, {expr})"
+    return lw.emit(node, f"tl.broadcast_to({expr}, {lw.shape_code(node)})")
+
+
 @lowering("repeat_interleave")
 def repeat_interleave(lw, node: fx.Node, cop: COp):
     """``src.repeat_interleave(r, dim)``: element j along the axis is the source's j // r,
@@ -82,6 +95,8 @@ def repeat(lw, node: fx.Node, cop: COp):
     over the source's axis, one axis at a time, the last first (the columns, usually the
     widest, spread while the other axes are still small)."""
     src = cop.args[0]
+    if cop.attr("broadcast"):
+        return lw.emit(node, broadcast_block(lw, node, src), layout_only=True)
     repeats = list(cop.attr("repeats"))
     if lw.row_dim(node) is not None:
         del repeats[lw.row_dim(node)]  # the tokens' (1)
@@ -103,6 +118,15 @@ def repeat(lw, node: fx.Node, cop: COp):
     if lw.traced.value(node).dtype == torch.bool:
         expr = f"({expr}) != 0"
     return lw.emit(node, expr, layout_only=lw.traced.value(node).dtype == lw.dtypes[src])
+
+
+def broadcast_block(lw, node: fx.Node, src: fx.Node) -> str:
+    """``src`` broadcast to ``node``'s block: a repeat of unit axes (and of axes it adds in
+    front), which copies no value but moves none either (exact at any dtype)."""
+    expr, have, want = lw.names[src], len(lw.block_shape(src)), len(lw.block_shape(node))
+    for _ in range(want - have):
+        expr = f"tl.expand_dims({expr}, 0)"
+    return f"tl.broadcast_to({expr}, {lw.shape_code(node) if want else '(1,)'})" if want else expr
 
 
 @lowering("pad")

@@ -38,7 +38,7 @@ from fuser.lower.layout import joined, moves_unit_axes, pairs_and_parts
 from fuser.lower.memory import load, store, store_fresh
 from fuser.lower.reductions import contractions
 from fuser.lower.registry import lowering_for
-from fuser.lower.row_gathers import gathered_only, regathered_values
+from fuser.lower.row_gathers import gathered_only, regathered_values, spread_tables
 from fuser.lower.row_program import TL_DTYPES, Operand, RowProgram, operand
 from fuser.lower.tiling import find_tiling, launch_widths, pow2, tile_floor
 from fuser.trace.tracing import Traced
@@ -69,6 +69,7 @@ class Lowerer:
         self.taken: set[str] = set()  # locals (and their companions) in use
         self.masks: dict[str, str] = {}  # mask expression -> the local it is built in, once
         # Tables read only through a row gather are never loaded whole, nor at this program's row.
+        self.spread_tables = spread_tables(self)
         self.gathered = {n for n in self.inputs if gathered_only(self, n)}
         self.regathered = regathered_values(self)
         self.row_rank = max(
@@ -334,6 +335,7 @@ class Lowerer:
             n for n in self.nodes + self.inputs
             if isinstance(self.traced.value(n), torch.Tensor)
             and n not in self.contracted and n not in self.gathered and n not in self.regathered
+            and n not in self.spread_tables
         ]  # fmt: skip: a gathered table is read a row at a time, a contracted product never built
         others = 1
         if self.tiled:
@@ -349,7 +351,7 @@ class Lowerer:
             load(self, source, node)
         unstored = list(zip(outs, self.outputs))
         for node in self.nodes:
-            if node in self.regathered:
+            if node in self.regathered or node in self.spread_tables:
                 continue
             try:
                 self.lower_node(node)

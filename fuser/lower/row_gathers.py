@@ -19,8 +19,68 @@ from fuser.lower.tiling import inserted_axes, pow2
 
 
 def gathered_only(lw, node: fx.Node) -> bool:
-    uses = [lw.cops[u] for u in node.users if u in lw.nodes]
-    return bool(uses) and all(c.op == "gather_rows" and c.args[0] is node and c.args[1] is not node for c in uses)
+    """Is input ``node`` a table read only a row at a time (by row gathers, or spread over the
+    tokens only for ``gather_table`` to read)?"""
+    uses = [u for u in node.users if u in lw.nodes]
+    return bool(uses) and all(
+        (lw.cops[u].op == "gather_rows" and lw.cops[u].args[0] is node and lw.cops[u].args[1] is not node)
+        or u in lw.spread_tables
+        for u in uses
+    )
+
+
+def spread_tables(lw) -> set[fx.Node]:
+    """Tables that do not follow the tokens spread over them (a broadcast repeat of an input)
+    that only ``gather_table`` reads: never built, the gather reads the input's rows."""
+    found = set()
+    for node in lw.nodes:
+        cop = lw.cops[node]
+        if cop.op != "repeat" or not cop.attr("broadcast") or cop.args[0] not in lw.inputs or node in lw.outputs:
+            continue
+        uses = [lw.cops[u] for u in node.users if u in lw.nodes]
+        if uses and len(uses) == len(node.users) and all(c.op == "gather_table" and c.args[0] is node for c in uses):
+            found.add(node)
+    return found
+
+
+@lowering("gather_table")
+def gather_table(lw, node: fx.Node, cop: COp):
+    """``torch.gather(table spread over the tokens, 1, position spread along the columns)``: the
+    row of the table at this token's position, loaded into the node's block (unit axes in
+    front of the table's row)."""
+    spread, index = cop.args
+    table = lw.cops[spread].args[0]
+    operands = dict(zip(lw.inputs, lw.input_operands))
+    if spread not in lw.spread_tables or table not in operands:
+        raise LoweringError(f"`{node.name}`: a table gather must read its table directly", node)
+    position = _position(lw, index)
+    t, name = operands[table], lw.fresh(node)
+    shape, rank = lw.block_shape(node), len(lw.block_shape(node))
+    row = t.shape[1:]
+    lead = rank - len(row)
+    if lead < 0 or any(s != 1 for s in shape[:lead]) or len(lw.block_shape(position)) > rank:
+        raise LoweringError(f"`{node.name}`: one row of the table per token is gathered into a {shape} block", node)
+    lw.lines.append(f"{name}_idx = {_wrapped(lw.names[position], str(t.shape[0]))}  # {position.name}")
+    terms = [f"{t.name}_ptr", f"{name}_idx * {t.name}_stride_0"]
+    terms += [f"{lw.axis_index(node, lead + a, rank)} * {t.name}_stride_{a + 1}" for a in range(len(row))]
+    mask = lw.mask(node)
+    extra = f", mask={mask}, other=0.0" if mask else ""
+    lw.lines.append(f"{name} = tl.load({' + '.join(terms)}{extra})  # {node.name}")
+    lw.names[node], lw.dtypes[node] = name, t.dtype
+
+
+def _position(lw, index: fx.Node) -> fx.Node:
+    """The value of one position per token that ``index`` spreads (broadcast repeats, expands
+    and unit-axis reshapes looked through), as lowered or loaded here."""
+    node = index
+    while not (node in lw.names and all(s == 1 for s in lw.block_shape(node))):
+        cop = lw.cops.get(node)
+        if node not in lw.nodes or cop.op not in ("repeat", "expand", "reshape") or not isinstance(cop.args[0], fx.Node):
+            raise LoweringError(f"`{index.name}`: a table gather's index must be one position per token", index)
+        if cop.op == "repeat" and not cop.attr("broadcast"):
+            raise LoweringError(f"`{index.name}`: a table gather's index must be one position per token", index)
+        node = cop.args[0]
+    return node
 
 
 def regathered_values(lw) -> set[fx.Node]:

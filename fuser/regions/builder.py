@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fuser.ir import ops
-from fuser.canon.canonicalize import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp
+from fuser.canon.canonicalize import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp, op_name
 from fuser.match.matcher import Match, Rejection
 from fuser.pattern import is_hand_written
 from fuser.regions import lone_ops
@@ -130,6 +130,8 @@ class RegionBuilder:
                 continue
             if self.cops.get(user) and self.cops[user].op == "identity":
                 found += self.users_outside(user, inside)
+            elif self.cops.get(user) and self.cops[user].kind == META and op_name(user) in _SPLITS:
+                found += self.users_outside(user, inside)  # a split's tuple is free: its parts' users read
             else:
                 found.append(user)
         return found
@@ -445,6 +447,7 @@ class RegionBuilder:
         return parts
 
 
+_SPLITS = ("split", "chunk", "unbind")  # a tuple of views of its input, read through getitems
 _RECOMPUTABLE = {"gather_rows", "reshape", "expand", "conj", "cast", "repeat_interleave"}
 
 

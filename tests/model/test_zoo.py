@@ -197,21 +197,12 @@ BOUNDS = {
 
 # Layers whose glue the chain structure says fuses further than fuser fuses it today: the
 # honest bound stays, the case fails until the op named lowers.
-_REPEAT_GATHER = (
-    "repeat (the sin/cos table per sequence, the positions per table column) and gather (the "
-    "table's rows by position) left eager: no template lowers them, so the RoPE stretch is 4 launches"
-)
 _LLAMA4_ROUTING = (
     "the tokens' repeat per expert (hidden.repeat(E, 1)), the routing scores' transposed reshape "
     "(a copy) and the weighting by them left eager: no template lowers repeat, so the stretch from "
     "the router to the experts' bmm does not fuse"
 )
 NOT_YET = {
-    "gptj": _REPEAT_GATHER,
-    "stablelm": (
-        "cat of StableLmLayerNormPerHead's per-head LayerNorms (of q, of k) left eager: no template "
-        "lowers cat, so the norms, the two cats and the RoPE are 5 launches for one stretch"
-    ),
     "llama4_proj": _LLAMA4_ROUTING,
     "llama4": _LLAMA4_ROUTING + "; and the RoPE + L2 norm of q and of k are two kernels",
 }

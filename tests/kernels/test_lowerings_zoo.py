@@ -1,0 +1,110 @@
+"""Golden outputs of the glue forms that transformers' zoo layers spell their own way:
+
+- GPT-J's sin/cos rows: a table that does not follow the tokens repeated per sequence
+  (``table.repeat(T, 1, 1)``, T read off the position ids), gathered along its rows at positions
+  repeated per column (``position_ids.unsqueeze(-1).repeat(1, 1, width)``, int64): each token's
+  row of the table, read straight from it (``gather_table``);
+- a repeat that only spreads unit axes (and axes it adds in front): a broadcast, exact at any
+  dtype.
+
+Each case is fused at T=3 and called at T in {1, 5} against the eager module, within
+fuser.validate.tolerance.KERNEL per dtype (fp32, bf16, fp16), at odd widths; the op must be
+inside a fused kernel and nothing left eager (tests/kernels/test_lowerings_more.fused_matches).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import gen, randn
+from test_lowerings_more import Around, fused_matches, pair
+from test_ops_golden import DTYPES
+
+WIDTHS = [1, 37, 130]
+
+
+class SpreadTableGather(nn.Module):
+    """GPT-J's ``_get_embed_positions`` and the gather of its rows by position, added to x."""
+
+    def __init__(self, width: int, dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.register_buffer("embed_positions", torch.randn(64, width, generator=g).to(dtype))
+
+    def forward(self, position_ids, x):
+        embed = self.embed_positions.repeat(position_ids.shape[0], 1, 1)
+        index = position_ids.unsqueeze(-1).repeat(1, 1, embed.shape[-1])
+        rows = torch.gather(embed, 1, index).to(x.dtype)
+        return x * 2.0 + rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_table_repeated_over_the_tokens_gathered_by_position(width, dtype):
+    make = lambda T: ((torch.arange(T)[:, None] * 7 + 3) % 64, randn(gen(T), T, 1, width, dtype=dtype))  # noqa: E731
+    report = fused_matches(SpreadTableGather(width, dtype), make, ["repeat", "gather"])
+    (chain,) = report.chains
+    assert {"repeat", "repeat_1", "gather"} <= set(chain.nodes), report.text()
+    source = open(chain.path).read()
+    assert "embed_positions_stride_0" in source, source  # the table's rows read where they are
+
+
+class SplitSinCos(nn.Module):
+    """The gathered rows split into sin and cos, each spread over the heads and applied to q
+    (rotate_half for GPT-J's rotate_every_two): the table never built per token."""
+
+    def __init__(self, dim: int, dtype):
+        super().__init__()
+        angles = torch.arange(64)[:, None] * torch.linspace(0.01, 1.0, dim // 2)[None]
+        self.register_buffer("embed_positions", torch.cat((angles.sin(), angles.cos()), -1).to(dtype))
+
+    def forward(self, position_ids, q):
+        embed = self.embed_positions.repeat(position_ids.shape[0], 1, 1)
+        index = position_ids.unsqueeze(-1).repeat(1, 1, embed.shape[-1])
+        sin, cos = torch.split(torch.gather(embed, 1, index), embed.shape[-1] // 2, dim=-1)
+        sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+        cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+        half = q.shape[-1] // 2
+        return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [4, 18])
+def test_rotary_rows_of_a_repeated_table_split_and_spread_over_heads(dim, dtype):
+    make = lambda T: ((torch.arange(T)[:, None] * 5 + 1) % 64, randn(gen(T), T, 1, 3, dim, dtype=dtype))  # noqa: E731
+    report = fused_matches(SplitSinCos(dim, dtype), make, ["repeat", "gather", "repeat_interleave", "mul"])
+    assert len(report.chains) == 1, report.text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("repeats", [(1, 3, 1), (2, 1, 1, 1)], ids=["unit-axis", "new-axis-in-front"])
+def test_repeat_of_unit_axes_is_a_broadcast(repeats, width, dtype):
+    fused_matches(Around(lambda h: h.unsqueeze(1).repeat(*repeats).sum(0) if len(repeats) == 4 else h.unsqueeze(1).repeat(*repeats)),
+                  pair(dtype, width), ["repeat"])  # fmt: skip
+
+
+class PerHeadLayerNorm(nn.Module):
+    """StableLM's StableLmLayerNormPerHead: one LayerNorm per head (its own weights), each of
+    its head's slice, concatenated back along the heads (``cat_units``), then elementwise."""
+
+    def __init__(self, heads: int, dim: int, dtype):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(dim, bias=False) for _ in range(heads))
+        g = torch.Generator().manual_seed(5)
+        for norm in self.norms:
+            nn.init.normal_(norm.weight, generator=g)
+        self.to(dtype)
+
+    def forward(self, x, r):
+        parts = torch.split(x, 1, dim=1)  # of a GEMM's result in a model: views, read as inputs
+        return torch.cat([norm(part) for norm, part in zip(self.norms, parts)], dim=1) * 0.5 + r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [3, 37, 130])
+@pytest.mark.parametrize("heads", [2, 5])
+def test_per_head_layer_norms_concatenated_along_the_heads(heads, dim, dtype):
+    report = fused_matches(PerHeadLayerNorm(heads, dim, dtype), pair(dtype, heads, dim), ["cat", "layer_norm"])
+    assert len(report.chains) == 1, report.text()
