@@ -22,44 +22,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import re
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from fuser.pattern import templates_dir
+# (TABLE_DIR, current_gpu and gpu_key are read from here too: where the tables are, this GPU)
+from fuser.ir.device_tables import TABLE_DIR, USER_TABLES, LaunchTableError, current_gpu, gpu_key, table_dirs  # noqa: F401
 from fuser.lower.warps import elements_per_warp, warps_for
-
-TABLE_DIR = Path(__file__).resolve().parent / "launch_configs"
-USER_TABLES = "FUSER_LAUNCH_CONFIGS"
-
-
-def gpu_key(name: str) -> str:
-    """'NVIDIA H200' -> 'NVIDIA_H200' (a file name)."""
-    return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")
-
-
-@functools.lru_cache(maxsize=None)
-def current_gpu() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    return gpu_key(torch.cuda.get_device_name())
-
-
-class LaunchTableError(ValueError):
-    """A launch table that cannot be read; names the file (or the directory) and the variable."""
-
-
-def table_dirs() -> list[Path]:
-    """Where tables are read from: the user's directories first, then fuser's own. A directory
-    named in $FUSER_LAUNCH_CONFIGS that does not exist is an error, not a table silently missed."""
-    user = [Path(p) for p in os.environ.get(USER_TABLES, "").split(os.pathsep) if p]
-    for directory in user:
-        if not directory.is_dir():
-            raise LaunchTableError(f"{USER_TABLES} names {directory}, which is not a directory")
-    return user + [TABLE_DIR]
+from fuser.pattern import templates_dir
 
 
 @functools.lru_cache(maxsize=None)

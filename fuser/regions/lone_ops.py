@@ -9,7 +9,7 @@ from timing at apply or serve time:
 
 ``<GPU>-lone_ops.json`` (``fuser tune --lone-ops``, :mod:`fuser.tools.tune_lone_ops`), read
 from the launch-table directories (``$FUSER_LAUNCH_CONFIGS``, then ``fuser/codegen/launch_configs/``,
-:func:`fuser.codegen.launch_config.table_dirs`); ``$FUSER_LONE_OP_TABLE`` names one table file
+:func:`fuser.ir.device_tables.table_dirs`); ``$FUSER_LONE_OP_TABLE`` names one table file
 to read instead, on any device (the CPU included). Each entry is one op kind at one width and
 dtype, with PyTorch's time and the fuser kernel's at decode token counts (1..16, each timed in a
 CUDA graph); the op is fused where the kernel's mean over those token counts is the smaller.
@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon.canonicalize import REDUCING, COp
-from fuser.codegen.launch_config import current_gpu, table_dirs
+from fuser.ir.device_tables import current_gpu, table_dirs
 
 #: The environment variable naming one lone-op table file, read instead of the GPU's own.
 TABLE_ENV = "FUSER_LONE_OP_TABLE"

@@ -10,6 +10,7 @@ from helpers import BF16RMSNorm
 
 import fuser
 from fuser.codegen import launch_config
+from fuser.ir import device_tables
 from fuser.codegen.emit import kernel_source
 
 
@@ -21,7 +22,7 @@ def spec_for(n):
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     """Write a table for a made-up GPU and point the lookup at it."""
-    monkeypatch.setattr(launch_config, "TABLE_DIR", tmp_path)
+    monkeypatch.setattr(device_tables, "TABLE_DIR", tmp_path)
     monkeypatch.delenv(launch_config.USER_TABLES, raising=False)
     launch_config.load_table.cache_clear()
     yield lambda entries: (tmp_path / "Test_GPU.json").write_text(json.dumps({"entries": entries}))
