@@ -53,7 +53,7 @@ REDUCING = ops.REDUCING  # ops that combine values along an axis
 ELEMENTWISE = frozenset(n for n, op in ops.TABLE.items() if op.kind == ops.POINTWISE)
 
 # (F.embedding and the convolutions: what an ``nn.Embedding`` or a conv module computes, met
-# where the trace goes into one whose class has a forward of its own: fuser.trace.tracer.is_default_leaf)
+# where the trace goes into one whose class has a forward of its own: fuser.trace.leaves.is_default_leaf)
 HEAVY_FUNCTIONS = {
     F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.einsum, torch.addmm,
     torch.baddbmm, F.scaled_dot_product_attention, F.embedding, F.conv1d, F.conv2d, F.conv3d,

@@ -1,8 +1,10 @@
 """leaves: what the trace keeps as one opaque call without being told.
 
-A leaf runs its own code at run time and is never looked into. Besides the leaves a user names
-(and ``@fuser.opaque``), the trace makes these by itself, each listed in
-``Traced.automatic_leaves`` with the file, line and reason:
+A leaf runs its own code at run time and is never looked into. ``nn.Linear`` and
+``nn.Embedding`` always are, unless a subclass defines a forward of its own
+(:func:`is_default_leaf`). Besides the leaves a user names (and ``@fuser.opaque``), the trace
+makes these by itself, each listed in ``Traced.automatic_leaves`` with the file, line and
+reason:
 
 * **untraceable code** — a function or submodule whose code the tracer refused or that raised
   on traced values (a loop over experts, ``.item()``, a branch on data): the innermost such
@@ -55,6 +57,29 @@ class AutomaticLeaf:
     where: str  # file:line of the code that could not be traced, or of the call
     reason: str
     function: Callable | None = field(default=None, repr=False, compare=False)  # a function leaf's
+
+
+# --- the heavy modules, kept whole ------------------------------------------------------------
+# Module types kept opaque whatever the user says: the heavy ops of a decode layer. A subclass
+# is one too unless its class defines a forward of its own (:func:`is_default_leaf`).
+DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
+
+
+def is_default_leaf(module: torch.nn.Module) -> bool:
+    """Is ``module`` one of :data:`DEFAULT_LEAF_TYPES` running that type's own forward?
+
+    A subclass whose class overrides ``forward`` may do more than the GEMM or the lookup
+    (transformers' ``Llama4Router``: ``super().forward(x)``, then top-k, a scatter into -inf and
+    a sigmoid): it is traced into like any module, so that its glue is fused or reported, and
+    the ``F.linear`` / ``F.embedding`` it reaches is the heavy op. Code inside that cannot be
+    traced (a quantised linear's own kernel) becomes a leaf by the usual rules (below), with
+    its reason. A subclass that keeps the base's forward
+    (``NonDynamicallyQuantizableLinear``, a parametrized ``Linear``) stays whole; so does a
+    forward set on the instance (a hook wrapper's), which only the module call runs."""
+    for base in DEFAULT_LEAF_TYPES:
+        if isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
 
 
 # --- the leaves a user names -------------------------------------------------------------------

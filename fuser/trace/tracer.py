@@ -19,11 +19,13 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
-from fuser.trace.leaves import (
+from fuser.trace.leaves import (  # noqa: F401 - DEFAULT_LEAF_TYPES: read from here too
+    DEFAULT_LEAF_TYPES,
     LEAF,
     AutomaticLeaf,
     compiled_functions,
     custom_op,
+    is_default_leaf,
     kernel_launches_as_leaves,
     patched_leaf_functions,
 )
@@ -34,27 +36,6 @@ from fuser.trace.constant_indices import slice_constant_list_indices
 from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches, shadow_isinstance
 from fuser.trace.refusal import calling_line, error_location, refuse
 from fuser.trace.token_dims import grow
-
-# Module types kept opaque whatever the user says: the heavy ops of a decode layer. A subclass
-# is one too unless its class defines a forward of its own (:func:`is_default_leaf`).
-DEFAULT_LEAF_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding)
-
-
-def is_default_leaf(module: torch.nn.Module) -> bool:
-    """Is ``module`` one of :data:`DEFAULT_LEAF_TYPES` running that type's own forward?
-
-    A subclass whose class overrides ``forward`` may do more than the GEMM or the lookup
-    (transformers' ``Llama4Router``: ``super().forward(x)``, then top-k, a scatter into -inf and
-    a sigmoid): it is traced into like any module, so that its glue is fused or reported, and
-    the ``F.linear`` / ``F.embedding`` it reaches is the heavy op. Code inside that cannot be
-    traced (a quantised linear's own kernel) becomes a leaf by the usual rules
-    (:mod:`fuser.trace.leaves`), with its reason. A subclass that keeps the base's forward
-    (``NonDynamicallyQuantizableLinear``, a parametrized ``Linear``) stays whole; so does a
-    forward set on the instance (a hook wrapper's), which only the module call runs."""
-    for base in DEFAULT_LEAF_TYPES:
-        if isinstance(module, base):
-            return type(module).forward is base.forward
-    return False
 
 
 def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Subclasses of the modules the trace keeps whole (fuser.trace.tracer.is_default_leaf): one
+"""Subclasses of the modules the trace keeps whole (fuser.trace.leaves.is_default_leaf): one
 whose class defines its own forward is traced into (its glue fused or reported, the GEMM or
 lookup it reaches the heavy op); one that keeps the base's forward stays one call; code inside
 that cannot be traced (a quantised linear's) becomes a leaf with its reason."""
@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fuser
-from fuser.trace.tracer import is_default_leaf
+from fuser.trace.leaves import is_default_leaf
 from fuser.trace.tracing import trace
 
 H, E = 32, 8
