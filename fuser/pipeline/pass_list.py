@@ -196,6 +196,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("in_place_idioms", tracing.in_place_idioms, "in-place spellings of a value (out.add_(b) on a fresh out) as one functional op", inside="trace"),
     Pass("attention_calls", tracing.attention_calls, "sdpa calls given the un-repeated heads and an additive mask", inside="trace"),
     Pass("canonicalize", canonicalize_ops, "each node's canonical op", required=True),
+    Pass("growing_state", planning_pass(passes.hold_growing_state), "glue at the length of a cache that grows each call (a dynamic cache) kept eager"),
     Pass("fuse_patterns", planning_pass(passes.fuse_patterns), "each pattern match a region and its kernel"),
     Pass("fuse_generic", planning_pass(passes.fuse_generic), "the glue no pattern took, in regions, each a row program"),
     Pass("widen", planning_pass(passes.widen), "single unfused ops pulled into the kernel next to them"),

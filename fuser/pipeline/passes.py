@@ -33,6 +33,8 @@ from fuser.codegen.kernel import Kernel
 from fuser.lower.lowerer import LoweringError, lower_region
 from fuser.lower.row_program import operand
 from fuser.match.matcher import Rejection, match_all
+from fuser.pipeline import growing_state
+from fuser.pipeline.growing_state import at_growing_length
 from fuser.pattern import is_hand_written
 from fuser.regions.growth import feeds, merged, siblings, stored_in_place, widened
 from fuser.regions.builder import Region, RegionBuilder, fusible
@@ -55,7 +57,8 @@ class Planning:
     kernels: list[Kernel] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     failed: dict[fx.Node, str] = field(default_factory=dict)
-    taken: set = field(default_factory=set)  # nodes a pattern's kernel covers
+    taken: set = field(default_factory=set)  # nodes a pattern's kernel covers, or kept eager before any pass
+    held: dict[fx.Node, str] = field(default_factory=dict)  # nodes kept eager before any pass -> why
 
     @property
     def parameters(self) -> frozenset:
@@ -70,12 +73,22 @@ def planning(module: torch.nn.Module, traced: Traced, cops: dict, patterns: list
     return Planning(module, traced, cops, list(patterns), RegionBuilder(traced.graph, cops, parameters, traced.value))
 
 
+def hold_growing_state(p: Planning) -> Planning:
+    """Glue at the length of a cache that grows each call stays eager (:mod:`fuser.pipeline.growing_state`)."""
+    p.held = at_growing_length(p.traced, lambda n: n in p.cops and fusible(p.cops[n]))
+    p.taken |= set(p.held)
+    p.failed.update(p.held)
+    return p
+
+
 def fuse_patterns(p: Planning) -> Planning:
     """Each pattern match a region and its kernel (:func:`build`)."""
     matches, rejections = match_all(p.patterns, p.traced, p.cops)
     p.rejected += [Rejected(r.pattern, r.anchor, r.category, r.reason) for r in rejections]
     for match in matches:
         region = p.builder.from_match(match)
+        if not isinstance(region, Rejection) and region.covered & set(p.held):
+            region = Rejection(region.pattern, region.outputs[0].name, growing_state.REASON, "state")
         if isinstance(region, Rejection):
             p.rejected.append(Rejected(region.pattern, region.anchor, region.category, region.reason))
         elif build(p, region):
@@ -131,7 +144,7 @@ def widen(p: Planning) -> Planning:
     """Pull single unfused ops into the kernel next to them (re-lowered; kept only if it lowers)."""
     kernels, builder, traced, cops = p.kernels, p.builder, p.traced, p.cops
     covered = set().union(*(k.region.covered for k in kernels)) if kernels else set()
-    leftovers = [n for n in traced.graph.nodes if n in cops and fusible(cops[n]) and n not in covered]
+    leftovers = [n for n in traced.graph.nodes if n in cops and fusible(cops[n]) and n not in covered and n not in p.held]
     for i, kernel in enumerate(kernels):
         region = widened(builder, kernel.region, [n for n in leftovers if n not in covered])
         wider = lowered(region, traced, cops) if region else None

@@ -17,6 +17,7 @@ NAMES = [
     "in_place_idioms",
     "attention_calls",
     "canonicalize",
+    "growing_state",
     "fuse_patterns",
     "fuse_generic",
     "widen",

@@ -1,0 +1,59 @@
+"""growing_state: glue at the length of a cache that grows each call stays eager.
+
+transformers' ``DynamicCache`` grows by ``torch.cat`` at every decode step: its ``update``
+returns keys and values one position longer each call. Glue computed on them at that length —
+an eager attention's mask add and softmax over the keys, say — would be a kernel built for one
+length: the guard would have to hold the length (and decline every later step), or the kernel
+would meet another length (:mod:`fuser.install.leaf_sizes` raises then, after the cache was
+written). So the nodes computed from such a cache whose value has the cache's length among
+its sizes (or one more or less: a sink's logit concatenated to the scores, say), and the glue
+that reads them (a max over the keys), are kept eager (reported with this reason) and the rest of the layer is fused
+around them; the inputs that reach no kernel then (the attention mask) take any length
+(:mod:`fuser.install.free_sizes`), and the fused layer serves every step.
+
+A cache is taken to grow when it is transformers' ``DynamicCache`` (or a subclass of it); its
+length is dim -2 of what its ``update`` returns.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.fx as fx
+
+from fuser.install.leaf_sizes import fed_by_state
+from fuser.trace.tracing import Traced
+
+REASON = "computed from a dynamic cache at its length, which grows each call: left eager so that the fused forward serves every step"
+
+
+def grows(state) -> bool:
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    dynamic = getattr(cache_utils, "DynamicCache", None)
+    return dynamic is not None and isinstance(state, dynamic)
+
+
+def at_growing_length(traced: Traced, fusible) -> dict[fx.Node, str]:
+    """The fusible nodes (``fusible(node)``) computed from a growing cache at its length -> why."""
+    call = traced.call
+    states = call.states if call is not None else frozenset()
+    growing = {n for n in traced.graph.nodes if n.op == "placeholder" and n.name in states and grows(traced.value(n))}
+    if not growing:
+        return {}
+    lengths = set()
+    for node in traced.graph.nodes:
+        if node.op == "call_method" and node.target == "update" and node.args and node.args[0] in growing:
+            value = traced.value(node)
+            keys = value[0] if isinstance(value, (tuple, list)) and value else None
+            if isinstance(keys, torch.Tensor) and keys.dim() >= 2 and keys.shape[-2] > 1:
+                lengths |= {keys.shape[-2] - 1, keys.shape[-2], keys.shape[-2] + 1}
+    if not lengths:
+        return {}
+    fed, held = fed_by_state(traced), {}
+    for node in traced.graph.nodes:  # in program order: what reads a held value (a max over the keys) is held too
+        value = traced.value(node) if node in fed else None
+        at_length = isinstance(value, torch.Tensor) and bool(lengths & set(value.shape))
+        if fusible(node) and (at_length or any(a in held for a in node.all_input_nodes)):
+            held[node] = REASON
+    return held
