@@ -78,7 +78,8 @@ class FusedClosure:
 
 class ClosureSeam:
     """``decorate(function)`` stands in for an engine's ``torch.compile`` decorator on nested
-    helpers. While ``active()`` holds (sglang: capture mode) the decorated closure is fused at
+    helpers. While ``active()`` holds (sglang: capture mode, or a decode call of a layer under
+    the splice) the decorated closure is fused at
     its first call on a stream that is not capturing, and every later call of the same code
     with the same cell contents, inside a capture too, runs the fused forward (its guard
     sends other dtypes, shapes or autograd to the closure itself). While ``active()`` does not

@@ -12,7 +12,11 @@ rebinds every ``from ... import compile_in_capture_mode`` copy already loaded; m
 later import the replacement) with :func:`compile_in_capture_mode` below: while capture mode
 is on, the closure goes to a :class:`fuser.serving.closures.ClosureSeam`, which fuses it at its
 first call on a stream that is not capturing (sglang's warm-ups) and runs the fused forward at
-every later call, inside the capture too. ``torch.compile`` is never called.
+every later call, inside the capture too. A decode call of a layer under fuser's splice
+(:mod:`fuser.serving.lazy_fusion`) outside capture mode, an eager decode step with a batch
+larger than any captured, goes to the seam as well (sglang's decorator would run the closure
+as written there), so that step runs the fused closures, guarded as in capture mode.
+``torch.compile`` is never called.
 ``FUSER_COMPILE_SEAM=0`` leaves sglang's decorator as it is.
 """
 
@@ -24,6 +28,7 @@ import sys
 import torch
 
 from fuser.serving.closures import ClosureSeam
+from fuser.serving.lazy_fusion import mode_active
 from fuser.serving.options import Options
 
 log = logging.getLogger("fuser")
@@ -39,17 +44,24 @@ def _capture_mode_on() -> bool:
     return bool(sys.modules[CAPTURE_MODE].is_capture_mode)
 
 
+def _seam_on() -> bool:
+    """Capture mode (sglang's warm-ups and graphs), or a decode call of a spliced layer outside
+    it (an eager decode step: a batch larger than any captured one)."""
+    return _capture_mode_on() or mode_active()
+
+
 def seam() -> ClosureSeam:
     """This process's closure seam (made at first use, with the options of that moment)."""
     global _SEAM
     if _SEAM is None:
-        _SEAM = ClosureSeam(Options.from_env(), _capture_mode_on)
+        _SEAM = ClosureSeam(Options.from_env(), _seam_on)
     return _SEAM
 
 
 def compile_in_capture_mode(func):
-    """fuser's ``compile_in_capture_mode``: the closure, fused instead of compiled while
-    capture mode is on; the closure itself otherwise (as sglang's decorator does)."""
+    """fuser's ``compile_in_capture_mode``: the closure, fused instead of compiled while capture
+    mode is on or a spliced layer runs a decode call; the closure itself otherwise (as sglang's
+    decorator leaves it outside capture mode)."""
     if torch.compiler.is_compiling():
         return func  # inside sglang's --enable-torch-compile model: Dynamo sees the code
     return seam().decorate(func)
