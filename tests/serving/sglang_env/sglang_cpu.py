@@ -149,13 +149,17 @@ TINY_DSV4 = dict(
 )
 
 
-def tiny_dsv4_config(compress_ratios):
-    """The config sglang itself makes for a ``deepseek_v4`` checkpoint (its registry's class)."""
+def tiny_dsv4_config(compress_ratios, num_hash_layers=None):
+    """The config sglang itself makes for a ``deepseek_v4`` checkpoint (its registry's class);
+    the first ``num_hash_layers`` layers route by hash (the tiny model's one by default)."""
     from sglang.srt.utils.hf_transformers.common import _CONFIG_REGISTRY
 
+    values = dict(TINY_DSV4)
+    if num_hash_layers is not None:
+        values["num_hash_layers"] = num_hash_layers
     return _CONFIG_REGISTRY["deepseek_v4"](architectures=["DeepseekV4ForCausalLM"],
                                            num_hidden_layers=len(compress_ratios),
-                                           compress_ratios=list(compress_ratios), **TINY_DSV4)
+                                           compress_ratios=list(compress_ratios), **values)
 
 
 def _no_vllm_kernel(*args, **kwargs):
@@ -197,12 +201,12 @@ class building_on_cpu:
         return False
 
 
-def build_dsv4_layers(layer_class, compress_ratios=(0, 4, 128)):
+def build_dsv4_layers(layer_class, compress_ratios=(0, 4, 128), num_hash_layers=None):
     """sglang's ``layer_class`` for each layer of a tiny DeepSeek-V4, built in one
     ``layer_stack`` as ``DeepseekV4Model`` builds them (bf16 parameters, on the CPU)."""
     from sglang.srt.layers.layer_boundary.factories import layer_stack
 
-    config = tiny_dsv4_config(compress_ratios)
+    config = tiny_dsv4_config(compress_ratios, num_hash_layers)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
