@@ -76,9 +76,11 @@ class ShadowProxy(fx.Proxy):
 
     # --- what cannot be traced ---------------------------------------------------------------
     def __bool__(self):
-        answer = _decided_for_any_tokens(self.node)
+        answer = _decided_for_any_tokens(self.node, self.tracer.shadows)
         if answer is not None:
-            return answer  # `if x.shape[0] == 0: return ...`: the guard runs no call without tokens
+            # `if x.shape[0] == 0: return ...` (the guard runs no call without tokens), or
+            # `assert ids.shape[0] == x.shape[0]` (two sizes that follow the tokens alike)
+            return answer
         raise refuse(
             "Python control flow on a traced value (it depends on the batch size or on tensor data)",
             "Branch on static sizes only, or move this code into an opaque leaf (@fuser.opaque).",
@@ -137,16 +139,55 @@ _OWN_ATTRIBUTES = frozenset({"node", "tracer", "shadow"})
 _COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
 
 
-def _decided_for_any_tokens(node: fx.Node) -> bool | None:
-    """The answer of ``size op c`` (a token count ``x.shape[0]`` or ``x.numel()`` against an int
-    constant) when it is the same for every count from one token up; else None."""
+def _decided_for_any_tokens(node: fx.Node, shadows: dict) -> bool | None:
+    """The answer of a comparison of sizes that is the same for every token count, else None:
+
+    * a token count (``x.shape[0]``, ``x.numel()``) against an int constant, when the answer is
+      the same from one token up (``x.shape[0] == 0``: False);
+    * two sizes whose difference is the same in both shadows (``ids.shape[0] == x.shape[0]``,
+      ``x.shape[0] + 1 == y.shape[0]``): sizes that follow the tokens grow by the same rows per
+      token at every count (each batch input does: :mod:`fuser.trace.token_dims`), so the
+      difference, and the answer, is that at every count.
+    """
     if node.op != "call_function" or node.target not in _COMPARISONS or len(node.args) != 2:
         return None
     a, b = node.args
+    if _follows_tokens(a) and _follows_tokens(b):
+        (a0, a1), (b0, b1) = _shadows_of(a, shadows), _shadows_of(b, shadows)
+        if a0 - b0 == a1 - b1:
+            return bool(node.target(a0 - b0, 0))
     flipped = not isinstance(a, fx.Node)
     size, constant = (b, a) if flipped else (a, b)
-    counts = isinstance(size, fx.Node) and size.op == "call_method" and size.target in ("size", "numel")
-    if not counts or isinstance(constant, bool) or not isinstance(constant, int):
+    if not _is_size(size) or isinstance(constant, bool) or not isinstance(constant, int):
         return None
     answers = {node.target(constant, n) if flipped else node.target(n, constant) for n in (1, 1 << 40)}
     return answers.pop() if len(answers) == 1 and constant <= 1 else None
+
+
+_SUMS = (operator.add, operator.sub)
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, fx.Node) and value.op == "call_method" and value.target in ("size", "numel")
+
+
+def _follows_tokens(value) -> bool:
+    """Is ``value`` an int constant or a size read off a traced tensor, or a sum or difference
+    of them, or one times an int constant (a size affine in the token count)?"""
+    if isinstance(value, int):
+        return not isinstance(value, bool)
+    if _is_size(value):
+        return True
+    if not isinstance(value, fx.Node) or value.op != "call_function" or len(value.args) != 2 or value.kwargs:
+        return False
+    x, y = value.args
+    if value.target in _SUMS:
+        return _follows_tokens(x) and _follows_tokens(y)
+    if value.target is operator.mul:
+        constant = [v for v in (x, y) if isinstance(v, int) and not isinstance(v, bool)]
+        return bool(constant) and all(_follows_tokens(v) for v in (x, y))
+    return False
+
+
+def _shadows_of(value, shadows: dict) -> tuple[int, int]:
+    return shadows[value.name] if isinstance(value, fx.Node) else (value, value)
