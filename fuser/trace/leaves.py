@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from fuser.ir.opaque import is_opaque, opaque
-from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, calling_line, error_location, is_library_file
+from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, calling_line, error_location, first_line, is_library_file
 
 #: How many leaves one trace may make by retracing before it gives up.
 MAX_AUTOMATIC_LEAVES = 64
@@ -147,11 +147,31 @@ def _user_namespaces() -> list[dict]:
     """The dicts of every loaded module outside torch, Triton, the stdlib and fuser."""
     spaces = []
     for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
+        namespace = _namespace(module)
         file = namespace.get("__file__") if isinstance(namespace, dict) else None
         if isinstance(namespace, dict) and not (file and (is_library_file(file) or _is_stdlib(file))):
             spaces.append(namespace)
     return spaces
+
+
+def _namespace(module) -> dict | None:
+    """A loaded module's dict (what ``sys.modules`` holds may be another object: its own
+    ``__dict__``), read without running its ``__getattr__``."""
+    try:
+        namespace = object.__getattribute__(module, "__dict__")
+    except Exception:  # noqa: BLE001 - an object without a dict of its own holds nothing by name
+        return None
+    return namespace if isinstance(namespace, dict) else None
+
+
+def _static(value, name: str):
+    """``value.name`` as stored (an instance's own attribute, else its class's), or None: no
+    ``__getattr__`` or property runs. A lazy module (sglang's ``LazyImport``) imports what it
+    stands for on any other attribute read, and looking at loaded modules must import nothing."""
+    try:
+        return inspect.getattr_static(value, name, None)
+    except Exception:  # noqa: BLE001 - an object whose very layout cannot be read: nothing there
+        return None
 
 
 def _is_stdlib(file: str) -> bool:
@@ -173,12 +193,15 @@ def compiled_functions() -> list[Callable]:
     tensor, each is kept as one call."""
     found = {}
     for module in list(sys.modules.values()):
-        origin = getattr(getattr(module, "__spec__", None), "origin", None) or ""
-        if not origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+        namespace = _namespace(module)
+        if not isinstance(module, types.ModuleType) or namespace is None:
+            continue
+        origin = getattr(namespace.get("__spec__"), "origin", None) or ""
+        if not isinstance(origin, str) or not origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
             continue
         if is_library_file(origin) or _is_stdlib(origin):
             continue
-        for value in list(vars(module).values()):
+        for value in list(namespace.values()):
             if isinstance(value, types.BuiltinFunctionType) and getattr(value, "__self__", None) is module:
                 found[id(value)] = value
     return list(found.values())
@@ -319,7 +342,11 @@ def leaf_after(error: Exception, taken: list[AutomaticLeaf]) -> AutomaticLeaf | 
         return None
     names = {a.name for a in taken}
     where, reason = error_location(error), _reason(error)
-    for function in _functions_raising(error):
+    try:
+        functions = _functions_raising(error)
+    except Exception:  # noqa: BLE001 - the user's objects misbehaved while looked at: no function to name
+        functions = []
+    for function in functions:
         name = f"{function.__module__}.{function.__qualname__}"
         if name not in names:
             return AutomaticLeaf(name, where, reason, function)
@@ -330,7 +357,7 @@ def leaf_after(error: Exception, taken: list[AutomaticLeaf]) -> AutomaticLeaf | 
 
 
 def _reason(error: Exception) -> str:
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    message = first_line(error) or type(error).__name__
     if not isinstance(error, TraceRefused):
         return f"{type(error).__name__}: {message}"
     where = error.location
@@ -368,17 +395,32 @@ def _is_module_forward(frame) -> bool:
 
 def _function_of(code: types.CodeType) -> tuple[Callable | None, bool]:
     """The function a module holds by name that runs ``code``, and whether it runs it through a
-    wrapper (a decorated function: the module holds the wrapper)."""
+    wrapper (a decorated function: the module holds the wrapper). Read without running any of
+    the values' code (:func:`_static`): a lazy import held by name stays unimported."""
     for namespace in _user_namespaces():
         for value in list(namespace.values()):
-            if not callable(value) or isinstance(value, type):
+            if isinstance(value, type):
                 continue
-            if getattr(value, "__code__", None) is code:
+            if _code_of(value) is code:
                 return value, False
-            try:
-                inner = inspect.unwrap(value)
-            except ValueError:
-                continue
-            if inner is not value and getattr(inner, "__code__", None) is code:
+            if _code_of(_unwrapped(value)) is code:
                 return value, True
     return None, False
+
+
+def _code_of(value) -> types.CodeType | None:
+    """The code a plain Python function (or a method of one) runs, else None."""
+    if isinstance(value, types.MethodType):
+        value = value.__func__
+    return value.__code__ if isinstance(value, types.FunctionType) else None
+
+
+def _unwrapped(value, depth: int = 100):
+    """The function a decorator's wrapper wraps (its ``__wrapped__`` chain, as stored), or None."""
+    inner = None
+    while depth and (wrapped := _static(value, "__wrapped__")) is not None:
+        if not callable(wrapped) or isinstance(wrapped, type):
+            break
+        inner = value = wrapped
+        depth -= 1
+    return inner

@@ -2,6 +2,8 @@
 
 Tracing runs the user's code, torch's and fuser's own; a message names the innermost line of
 the first kind (the model's file, a helper of its library), never a line of torch or fuser.
+Wording a refusal imports nothing and runs none of the user's objects' code beyond the
+error's own message; whatever fails while describing falls back to a plainer description.
 """
 
 from __future__ import annotations
@@ -92,7 +94,21 @@ def error_location(error: Exception) -> str:
     """``file:line`` where ``error`` was raised, outside fuser, torch and the stdlib."""
     if isinstance(error, TraceRefused):
         return error.location
-    return describe(innermost_user_frame(traceback.extract_tb(error.__traceback__)))
+    try:
+        return describe(innermost_user_frame(traceback.extract_tb(error.__traceback__)))
+    except Exception:  # noqa: BLE001 - a refusal is worded whatever its frames hold
+        return UNKNOWN_LOCATION
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, "" when it has none. Wording a refusal runs no
+    more of the user's code than this ``str()``: where that raises (a message built from an
+    object that misbehaves), the error's type name stands for it."""
+    try:
+        text = str(error).strip()
+    except Exception:  # noqa: BLE001 - a refusal is worded whatever the error's message does
+        return f"{type(error).__name__} (its message could not be read)"
+    return text.splitlines()[0] if text else ""
 
 
 def refuse(what: str, fix: str) -> TraceRefused:

@@ -42,7 +42,7 @@ from fuser.trace.leaves import AutomaticLeaf, leaf_after, opaque_functions
 from fuser.trace.tracer import ShadowTracer
 from fuser.trace.token_dims import batch_dims_of, grown as grown_inputs, held_inputs_hint, infer_batch_inputs, rows_per_token
 from fuser.trace.call_spec import CallSpec, StateRead, copy_state
-from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, error_location
+from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, error_location, first_line
 
 _TRACE_LOCK = threading.RLock()
 
@@ -218,7 +218,7 @@ def refused(error: Exception, hint: str = "") -> TraceRefused:
     given back as it is where there is no hint."""
     if isinstance(error, TraceRefused) and not hint:
         return error
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = first_line(error)
     if not isinstance(error, TraceRefused):
         where = error_location(error)
         message = f"{where}: {type(error).__name__}: {message}" if where != UNKNOWN_LOCATION else f"{type(error).__name__}: {message}"
