@@ -40,10 +40,17 @@ from fuser.install.splice import STATE_ATTR, add_copy_hooks, install, is_fused, 
 from fuser.install.splice import restore as restore_module
 from fuser.validate.tolerance import LAYER, mismatch, near_tie_rows, rows_besides_ties
 from fuser.trace.tracing import preserved_state, trace
+from fuser.trace.leaves import is_default_leaf
 
 MODEL_ATTR = "_fuser_model"  # on a model fused layer by layer: its ModelReport
 #: Modules the model's other submodules are never fused as (one kernel each already).
-_HEAVY = (nn.Linear, nn.Embedding, nn.ModuleList, nn.ModuleDict)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _heavy(module: nn.Module) -> bool:
+    """A GEMM or a lookup the trace keeps whole (:func:`fuser.trace.leaves.is_default_leaf`: a
+    subclass with a forward of its own is glue to fuse), or a list of modules."""
+    return is_default_leaf(module) or isinstance(module, _CONTAINERS)
 
 
 def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: ModelReport | None = None,
@@ -135,7 +142,7 @@ def _other_submodules(model: nn.Module, stacks: set[str]) -> list[tuple[str, nn.
         owner = model.get_submodule(parent) if parent else model
         for name, child in owner.named_children():
             qualified = f"{parent}.{name}" if parent else name
-            if qualified in stacks or isinstance(child, _HEAVY) or qualified in parents:
+            if qualified in stacks or _heavy(child) or qualified in parents:
                 continue
             found.append((qualified, child))
     return found

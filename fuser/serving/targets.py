@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fuser.ir.opaque import is_opaque
-from fuser.trace.tracer import DEFAULT_LEAF_TYPES
+from fuser.trace.leaves import is_default_leaf
 
 
 def _forward_of(module: torch.nn.Module) -> Callable:
@@ -110,8 +110,9 @@ def fusion_targets(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[str
 
 def is_fusers_leaf(module: torch.nn.Module) -> bool:
     """A leaf in every engine: a class marked ``@fuser.opaque``, or one the tracer always keeps
-    opaque (``torch.nn.Linear``, ``torch.nn.Embedding``)."""
-    return is_opaque(type(module)) or isinstance(module, DEFAULT_LEAF_TYPES)
+    opaque (``torch.nn.Linear``, ``torch.nn.Embedding`` running their own forward: a subclass
+    with a forward of its own is traced into, :func:`fuser.trace.leaves.is_default_leaf`)."""
+    return is_opaque(type(module)) or is_default_leaf(module)
 
 
 def takes_anything(function: Callable) -> bool:
