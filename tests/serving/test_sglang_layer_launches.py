@@ -84,14 +84,11 @@ def test_what_ran_agrees_with_what_the_reports_say_was_saved(fallbacks):
         saved += calls[POST] * (layer["seam"]["post_torch_impl"][0] - layer["seam"]["post_torch_impl"][1])
         assert calls == {HC_PRE: 2, POST: 2}  # the attention's and the MoE's boundary
         assert eager - captured == saved, (layer["name"], eager, captured, layer["reports"], layer["seam"])
-        # Each target's own launches, counted inside it, are its report's (the hash router,
-        # a leaf of the MoE block's trace, launches the same in both).
+        # Each target's own launches, counted inside it, are its report's.
         eager_sections = layer["eager"]["4"]["sections"]
         fused_sections = layer["captured"]["4"]["sections"]
         for name, (before, after) in layer["reports"].items():
-            assert eager_sections[name] - fused_sections[name] == before - after, name
-            if name != "mlp" or layer["routing"] == "TopK":
-                assert (eager_sections[name], fused_sections[name]) == (before, after), name
+            assert (eager_sections[name], fused_sections[name]) == (before, after), (layer["name"], name)
 
 
 def test_fused_decode_calls_match_eager(fallbacks, no_graphs):
@@ -109,9 +106,10 @@ def test_a_topk_layers_decode_call_is_within_the_bound_in_capture_mode_and_out(f
         assert fused <= BOUND < eager, (layer["name"], eager, fused)
 
 
-@pytest.mark.xfail(strict=True, reason="the hash router's torch path (HashTopK.forward, hash_topk.py:242, an "
-                                       "assert on the traced batch size) stays a leaf of the MoE block's trace; "
-                                       "its launches are not fused")
+@pytest.mark.xfail(strict=True, reason="the hash router's torch path is traced and part fused (15 -> 9 in the "
+                                       "MoE block, 22 a call), but its zero-filled buffers written by slice "
+                                       "(hash_topk.py:157-160, 186) and its lookup of an integer table by token "
+                                       "id (tid2eid[input_ids]) have no lowering and stay eager")
 def test_a_hash_layers_decode_call_is_within_the_bound(fallbacks):
     for layer in fallbacks["hash"]:
         assert glue(layer["captured"]) == glue(layer["eager_decode"])
