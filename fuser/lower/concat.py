@@ -1,5 +1,6 @@
-"""concat: a concatenation along the last axis too wide to assemble in registers, computed by
-reading its parts again at remapped columns.
+"""concat: a concatenation along the last axis computed by reading its parts again at remapped
+columns (preferred to a one-hot sum in registers, which moves values across lanes; see
+:func:`fuser.lower.layout.joined`).
 
 Column ``c`` of ``cat([a, b, ...], -1)`` is column ``c - offset`` of the part that holds it.
 Triton cannot index a block in registers, but it can load a tensor at any columns: where each

@@ -291,8 +291,16 @@ def slice_columns(lw, node: fx.Node, name: str, cop: COp):
 def joined(lw, node: fx.Node) -> str:
     """A concatenation along the last axis (kept as column segments until now) as one block:
     two halves of a power-of-two width are interleaved and regrouped (``rotate_half``);
-    other parts are placed with a one-hot sum over the columns when that is small enough,
-    else each part is read again at the concatenation's columns (:mod:`fuser.lower.concat`)."""
+    other parts are read again at the concatenation's columns where each can be
+    (:mod:`fuser.lower.concat`), else placed with a one-hot sum over the columns when that is
+    small enough.
+
+    A one-hot sum is the last resort: it spreads every part over a block ``pow2(width)`` times
+    larger and reduces it across lanes, which Triton does through shared memory once a block
+    spans warps. GPT-NeoX-20B's partial RoPE (``rotate_half`` of 24 columns, halves of 12, 16
+    heads a program at 8 warps) compiled to 1424 SASS instructions a warp, 348 of them shared
+    loads and stores, against 256 and none with the parts re-read (sm_90, ptxas); on an H200
+    the one-hot kernel took 306 µs at T=512 for 28 MB."""
     parts = lw.names[node].parts
     shape = lw.padded(node)
     rank, last = len(shape), shape[-1]
@@ -302,6 +310,9 @@ def joined(lw, node: fx.Node) -> str:
         halves = f"tl.join({values[0]}, {values[1]})"  # [..., width, 2]
         order = tuple(range(rank - 1)) + (rank, rank - 1)
         expr = f"tl.reshape(tl.permute({halves}, {order}), {shape})"
+    elif (expr := remapped(lw, node)) is not None:  # each part read again at the concatenation's columns
+        if expr.isidentifier():
+            return expr
     elif math.prod(shape) * max(pow2(w) for _, _, w, _ in parts) <= ONE_HOT_LIMIT:
         cols = expanded(f"tl.arange(0, {last})", rank, rank + 1)
         terms = []
@@ -310,12 +321,8 @@ def joined(lw, node: fx.Node) -> str:
             spread = f"tl.expand_dims({value}, {rank})"
             terms.append(selected(f"({own} < {w}) & ({own} + {offset} == {cols})", spread, rank - 1))
         expr = " + ".join(terms)
-    else:  # each part read again at the concatenation's columns, where each can be
-        expr = remapped(lw, node)
-        if expr is None:
-            raise LoweringError(f"`{node.name}`: a {last}-wide concatenation is too large to assemble in registers", node)
-        if expr.isidentifier():
-            return expr
+    else:
+        raise LoweringError(f"`{node.name}`: a {last}-wide concatenation is too large to assemble in registers", node)
     name = f"joined{len(lw.lines)}"
     lw.lines.append(f"{name} = {expr}  # {node.name}")
     return name
