@@ -125,7 +125,7 @@ class GatedProj(nn.Module):
         return self.gate(self.proj(x))
 
 
-class NormThenCumsum(nn.Module):
+class NormThenCumprod(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(16))
@@ -135,7 +135,7 @@ class NormThenCumsum(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
         h = (xf * self.weight).to(x.dtype)  # RMSNorm: the rmsnorm pattern
-        return self.proj(torch.cumsum(h, -1))  # no template lowers cumsum
+        return self.proj(torch.cumprod(h, -1))  # no template lowers cumprod
 
 
 class Broken(nn.Module):
@@ -147,8 +147,8 @@ def gated():
     return GatedProj().to(torch.bfloat16), (torch.randn(5, 16).to(torch.bfloat16),)
 
 
-def norm_then_cumsum():
-    return NormThenCumsum().to(torch.bfloat16), (torch.randn(5, 16).to(torch.bfloat16),)
+def norm_then_cumprod():
+    return NormThenCumprod().to(torch.bfloat16), (torch.randn(5, 16).to(torch.bfloat16),)
 
 
 def broken():
@@ -266,10 +266,10 @@ def test_every_command_has_json():
 def test_check_json_holds_the_report(small, capsys):
     from fuser.tools.cli import main
 
-    assert main(["check", f"{small}:norm_then_cumsum", "--json"]) == 0
+    assert main(["check", f"{small}:norm_then_cumprod", "--json"]) == 0
     checked = json.loads(capsys.readouterr().out)
     assert checked["ok"] is True and checked["kernels"] == 1 and checked["kernels_not_run"] == []
-    assert checked["report"]["module"] == "NormThenCumsum"
+    assert checked["report"]["module"] == "NormThenCumprod"
     assert [c["pattern"] for c in checked["report"]["chains"]] == ["rmsnorm"]
 
 
@@ -380,9 +380,9 @@ def test_bench_without_a_gpu_says_so():
 
 
 def test_suggest_drafts_the_unfused_op_next_to_a_pattern(small):
-    result = fuser_cli("suggest", f"{small}:norm_then_cumsum")
+    result = fuser_cli("suggest", f"{small}:norm_then_cumprod")
     assert result.returncode == 0, result.stderr
-    assert "torch.cumsum(" in result.stdout, result.stdout
+    assert "torch.cumprod(" in result.stdout, result.stdout
     assert "rsqrt" not in result.stdout  # the rmsnorm pattern claims that part
 
 
@@ -413,16 +413,16 @@ def test_suggest_does_not_overwrite_a_file_without_force(small, tmp_path):
 
 
 def test_profile_and_suggest_json(small):
-    result = fuser_cli("profile", f"{small}:norm_then_cumsum", "--json")
+    result = fuser_cli("profile", f"{small}:norm_then_cumprod", "--json")
     assert result.returncode == 0, result.stderr
     profile = json.loads(result.stdout)
-    assert profile["module"] == "NormThenCumsum" and profile["cost"] == "launches"
+    assert profile["module"] == "NormThenCumprod" and profile["cost"] == "launches"
     (chain,) = profile["chains"]
-    assert chain["fused_by"] == ["rmsnorm"] and chain["unfused_launches"] == 1 and "cumsum" in chain["nodes"]
-    result = fuser_cli("suggest", f"{small}:norm_then_cumsum", "--json")
+    assert chain["fused_by"] == ["rmsnorm"] and chain["unfused_launches"] == 1 and "cumprod" in chain["nodes"]
+    result = fuser_cli("suggest", f"{small}:norm_then_cumprod", "--json")
     assert result.returncode == 0, result.stderr
     suggestion = json.loads(result.stdout)
-    assert suggestion["chain"]["nodes"] == ["cumsum"] and suggestion["file"] is None
+    assert suggestion["chain"]["nodes"] == ["cumprod"] and suggestion["file"] is None
     assert "def reference(" in suggestion["source"]
 
 
