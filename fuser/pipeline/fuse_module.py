@@ -27,7 +27,7 @@ from fuser.install.splice import AlreadyFused, Guard, install, is_fused, module_
 from fuser.ir.report import FusedChain, Report, Unfused
 from fuser.match.pattern_files import load_patterns
 from fuser.pipeline.pass_list import Fusing, run_pass_list, switched_off
-from fuser.regions.builder import fusible
+from fuser.regions.builder import fusible, token_free
 from fuser.trace.call_spec import CallSpec
 from fuser.trace.refusal import source_of
 from fuser.trace.tracing import Traced, batch_dims_of, preserved_state
@@ -211,25 +211,12 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
         if launches == 0:
             continue  # views and no-ops cost nothing; they stay as they are
         reason = failed.get(node) or _reason(node, cops, covered)
-        if _token_free(traced, node) and cop.kind != MUTATION:
+        if token_free(node) and cop.kind != MUTATION:
             reason = "depends only on parameters, but is not computed from them alone here; " + reason
         report.unfused.append(Unfused(node.name, cop.op, reason, launches, source_of(node)))
     report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
     report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
     return report
-
-
-def _token_free(traced: Traced, node: fx.Node) -> bool:
-    """Is the node computed from parameters alone (no graph input upstream)?"""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n.op == "placeholder":
-            return False
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return True
 
 
 def _reason(node: fx.Node, cops, covered: set) -> str:

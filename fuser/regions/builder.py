@@ -387,21 +387,9 @@ class RegionBuilder:
         """Does ``node``, one op alone between ops that cannot share its kernel, get a kernel of
         its own (:mod:`fuser.regions.lone_ops`)? None where the question does not arise: no
         traced values to judge by, or a value of parameters alone (computed once at apply time)."""
-        if self.value_of is None or self._token_free(node):
+        if self.value_of is None or token_free(node):
             return None
         return lone_ops.forced_decision() or lone_ops.decide(node, self.cops[node], self.value_of)
-
-    def _token_free(self, node: fx.Node) -> bool:
-        """Is ``node`` computed from no graph input (parameters and constants alone)?"""
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n.op == "placeholder":
-                return False
-            if n not in seen:
-                seen.add(n)
-                stack += n.all_input_nodes
-        return True
 
     def _place(self, nodes: list[fx.Node]) -> list[Region]:
         """Split a component until every part can run at one point of the program."""
@@ -449,6 +437,19 @@ class RegionBuilder:
 
 _SPLITS = ("split", "chunk", "unbind")  # a tuple of views of its input, read through getitems
 _RECOMPUTABLE = {"gather_rows", "reshape", "expand", "conj", "cast", "repeat_interleave"}
+
+
+def token_free(node: fx.Node) -> bool:
+    """Is ``node`` computed from no graph input (parameters and constants alone)?"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            return False
+        if n not in seen:
+            seen.add(n)
+            stack += n.all_input_nodes
+    return True
 
 
 def _reads(cop: COp, value: fx.Node) -> bool:

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from fuser.tools.capture import capture_decode, replay_time_us
+from fuser.tools.capture import capture_decode, profiled_replays, replay_time_us
 from fuser.ir.opaque import is_opaque
 from fuser.trace.call_spec import example_call
 
@@ -259,13 +259,7 @@ def kernel_classes(forward: Callable, inputs: tuple, heavy_calls: bool = True) -
 def profile_replay(graph, classes: list[tuple[str, str]], replays: int = 5):
     """(glue kernels [(name, µs)], heavy launches, note, µs per kernel name over all replays),
     per replay, classes taken by position."""
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = _kernels(prof)
+    kernels = _kernels(profiled_replays(graph, replays))
     per = len(kernels) // replays
     one = kernels[:per]
     note = ""

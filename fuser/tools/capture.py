@@ -126,15 +126,21 @@ def replay_time_us(graph, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1000.0 / iters
 
 
-def replay_kernels(graph, replays: int = 10) -> list[tuple[str, float, float]]:
-    """Every kernel (and copy, memset) of ``replays`` back-to-back replays, traced with
-    torch.profiler after a warm replay: (name, start µs, end µs), in order of start."""
+def profiled_replays(graph, replays: int):
+    """torch.profiler's record of ``replays`` back-to-back replays of ``graph``, after a warm one."""
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    return prof
+
+
+def replay_kernels(graph, replays: int = 10) -> list[tuple[str, float, float]]:
+    """Every kernel (and copy, memset) of ``replays`` back-to-back replays, traced with
+    torch.profiler after a warm replay: (name, start µs, end µs), in order of start."""
+    prof = profiled_replays(graph, replays)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events]
     return sorted(kernels, key=lambda k: k[1])
