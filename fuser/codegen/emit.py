@@ -157,8 +157,25 @@ def kernel_source(spec: KernelSpec) -> tuple[str, str]:
     """(file stem, source): the stem is the pattern name plus a hash of the rendered source."""
     provisional = render(spec, "KERNEL")
     digest = hashlib.sha256(provisional.encode()).hexdigest()[:12]
-    stem = f"{re.sub(r'[^0-9a-zA-Z_]', '_', spec.pattern)}_{digest}"
+    stem = f"{_pattern_stem(spec.pattern)}_{digest}"
     return stem, render(spec, f"{stem}_kernel")
+
+
+#: The longest pattern part of a kernel's file name (file names stop at 255 bytes).
+STEM_CHARS = 64
+
+
+def _pattern_stem(pattern: str) -> str:
+    """A merged kernel's patterns as a file name: a run of one pattern once with its count
+    (``generic_x28``), cut to ``STEM_CHARS``; the hash after it keeps names apart."""
+    runs: list[list] = []
+    for part in pattern.split("+"):
+        if runs and runs[-1][0] == part:
+            runs[-1][1] += 1
+        else:
+            runs.append([part, 1])
+    name = "_".join(part if n == 1 else f"{part}_x{n}" for part, n in runs)
+    return re.sub(r"[^0-9a-zA-Z_]", "_", name)[:STEM_CHARS]
 
 
 _LOADED: dict[str, Callable] = {}

@@ -59,10 +59,10 @@ def stack(lw, node: fx.Node, cop: COp):
 @lowering("cat_units")
 def cat_units(lw, node: fx.Node, cop: COp):
     """``torch.cat(parts, dim)`` along a middle axis, each part one wide there: element i along
-    it is part i (broadcast along that axis), one select per part."""
+    it is part i (broadcast along that axis), one select per part; where that axis is tiled
+    (heads split across programs), i counts from the program's first head."""
     axis = lw.block_axis(node, cop.attr("dim"))
-    rank = len(lw.padded(node))
-    which = expanded(f"tl.arange(0, {lw.padded(node)[axis]})", axis, rank)
+    which = lw.axis_index(node, axis, len(lw.padded(node)))  # the tile's own heads, where tiled
     expr = lw.f32(cop.args[-1])
     for i in reversed(range(len(cop.args) - 1)):
         expr = f"tl.where({which} == {i}, {lw.f32(cop.args[i])}, {expr})"

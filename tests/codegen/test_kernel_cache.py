@@ -202,3 +202,15 @@ def test_two_processes_emitting_the_same_kernels_both_succeed(cache):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0 and out.strip() == "ok", err[-3000:]
     assert sorted(p.suffix for p in cache.iterdir()) == [".py"] * 12  # no temporary file left behind
+
+
+def test_a_kernel_merged_from_many_regions_has_a_short_file_name(cache, request):
+    """A kernel merged from 65 regions (one LayerNorm per head of 65) is named by its runs of
+    patterns, not by each, and runs from its file: no name past the file system's limit."""
+    spec = copy_spec(request.node.name)
+    spec.pattern = "+".join(["generic"] * 65 + ["rms_norm", "rms_norm"] + [f"p{i}" for i in range(40)])
+    stem, _ = kernel_source(spec)
+    assert stem.startswith("generic_x65_rms_norm_x2_p0_p1_") and len(stem) <= 64 + 13, stem
+    path, launch = emit(spec)
+    assert path.name == f"{stem}.py" and path.exists()
+    check_runs(launch)

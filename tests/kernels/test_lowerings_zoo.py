@@ -108,3 +108,13 @@ class PerHeadLayerNorm(nn.Module):
 def test_per_head_layer_norms_concatenated_along_the_heads(heads, dim, dtype):
     report = fused_matches(PerHeadLayerNorm(heads, dim, dtype), pair(dtype, heads, dim), ["cat", "layer_norm"])
     assert len(report.chains) == 1, report.text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [4, 7])
+def test_per_head_layer_norms_with_the_heads_split_across_programs(heads, dtype):
+    """Rows too wide for one program (heads of 640 columns: StableLM-2-12B's 32 heads of 160
+    are 5120 wide) put a few heads in each program: each picks its own heads' parts."""
+    report = fused_matches(PerHeadLayerNorm(heads, 640, dtype), pair(dtype, heads, 640), ["cat", "layer_norm"])
+    (chain,) = report.chains
+    assert "BLOCK_TILE" in open(chain.path).read()  # the heads are tiled
