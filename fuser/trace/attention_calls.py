@@ -21,7 +21,7 @@ attention's two products. Each sdpa rewrite keeps the backend sdpa picks for the
 - **Eager attention's products.** transformers' ``eager_attention_forward`` (every model's
   with ``attn_implementation="eager"``; DeepSeek-V4 takes no other) repeats the heads too, then
   ``matmul(q, k.transpose(2, 3))`` and ``matmul(p, v)``: each becomes one product per key
-  head with its ``n`` query heads as rows (``q.reshape(-1, hk, n * l, d)``), the same dot
+  head with its ``n`` query heads as rows (``q.unflatten(1, (hk, n)).flatten(2, 3)``), the same dot
   products without the copies — where the batch is the one dim that follows the tokens.
 """
 
@@ -187,9 +187,11 @@ def _grouped(traced: _Values, args: dict, values: dict, eager: int) -> tuple | N
 def _grouped_matmul(graph: fx.Graph, traced: _Values, node: fx.Node) -> AttentionRewrite | None:
     """``matmul(q, repeat(k).transpose(2, 3))`` or ``matmul(p, repeat(v))`` — eager attention's
     two products, each head of ``q`` (``[b, hk * n, l, x]``) against its key head repeated —
-    as one product per key head over all its query heads: ``matmul(q.reshape(-1, hk, n * l, x),
-    k.transpose(2, 3)).reshape(-1, hk * n, l, s)``. The same dot products, without the copies;
-    only where the batch is the one dim that follows the tokens (the reshapes fix the others)."""
+    as one product per key head over all its query heads: ``matmul(q.unflatten(1, (hk, n))
+    .flatten(2, 3), k.transpose(2, 3)).unflatten(2, (n, l)).flatten(1, 2)``. The same dot
+    products, without the copies; only where the batch is the one dim that follows the tokens.
+    No size of the keys is written into the graph (``reshape(-1, hk * n, l, s)`` would hold the
+    cache's length ``s``, which grows each step of a dynamic cache)."""
     if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
         return None
     a, b = node.args
@@ -201,20 +203,23 @@ def _grouped_matmul(graph: fx.Graph, traced: _Values, node: fx.Node) -> Attentio
     if found is None:
         return None
     source, n, chain = found
-    _, heads, rows, width = traced.value(a).shape
-    last = traced.value(node).shape[-1]
+    heads, rows = traced.value(a).shape[1:3]
     with graph.inserting_before(node):
-        grouped_a = graph.call_method("reshape", (a, -1, heads // n, n * rows, width))
+        split_a = graph.call_method("unflatten", (a, 1, (heads // n, n)))
+        grouped_a = graph.call_method("flatten", (split_a, 2, 3))
         grouped_b = graph.call_method("transpose", (source, 2, 3)) if transposed else source
         product = graph.call_function(torch.matmul, (grouped_a, grouped_b))
-        out = graph.call_method("reshape", (product, -1, heads, rows, last))
-    made = {new: [] for new in (grouped_a, grouped_b, product, out) if new is not source}
+        split_out = graph.call_method("unflatten", (product, 2, (n, rows)))
+        out = graph.call_method("flatten", (split_out, 1, 2))
+    made = {new: [] for new in (split_a, grouped_a, grouped_b, product, split_out, out) if new is not source}
     for at in (0, 1):  # the new nodes' shadows, at both traced batch sizes
         values = {a: traced.shadows[a.name][at], source: traced.shadows[source.name][at]}
-        values[grouped_a] = values[a].reshape(-1, heads // n, n * rows, width)
+        values[split_a] = values[a].unflatten(1, (heads // n, n))
+        values[grouped_a] = values[split_a].flatten(2, 3)
         values[grouped_b] = values[source].transpose(2, 3) if transposed else values[source]
         values[product] = torch.matmul(values[grouped_a], values[grouped_b])
-        values[out] = values[product].reshape(-1, heads, rows, last)
+        values[split_out] = values[product].unflatten(2, (n, rows))
+        values[out] = values[split_out].flatten(1, 2)
         for new in made:
             made[new].append(values[new])
     for new, pair in made.items():
