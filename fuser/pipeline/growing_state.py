@@ -7,8 +7,9 @@ length: the guard would have to hold the length (and decline every later step), 
 would meet another length (:mod:`fuser.install.leaf_sizes` raises then, after the cache was
 written). So the nodes computed from such a cache whose value has the cache's length among
 its sizes (or one more or less: a sink's logit concatenated to the scores, say), and the glue
-that reads them (a max over the keys), are kept eager (reported with this reason) and the rest of the layer is fused
-around them; the inputs that reach no kernel then (the attention mask) take any length
+computed from them (a max over the keys, also where it is read through the ``values`` of a
+``max``'s result) up to the next leaf, are kept eager (reported with this reason) and the rest of
+the layer is fused around them; the inputs that reach no kernel then (the attention mask) take any length
 (:mod:`fuser.install.free_sizes`), and the fused layer serves every step.
 
 A cache is taken to grow when it is transformers' ``DynamicCache`` (or a subclass of it); its
@@ -34,8 +35,10 @@ def grows(state) -> bool:
     return dynamic is not None and isinstance(state, dynamic)
 
 
-def at_growing_length(traced: Traced, fusible) -> dict[fx.Node, str]:
-    """The fusible nodes (``fusible(node)``) computed from a growing cache at its length -> why."""
+def at_growing_length(traced: Traced, fusible, leaf) -> dict[fx.Node, str]:
+    """The fusible nodes (``fusible(node)``) computed from a growing cache at its length, or from
+    such a value through anything but a leaf (``leaf(node)``: an attention's product, whose
+    sizes do not follow the keys') -> why."""
     call = traced.call
     states = call.states if call is not None else frozenset()
     growing = {n for n in traced.graph.nodes if n.op == "placeholder" and n.name in states and grows(traced.value(n))}
@@ -50,10 +53,13 @@ def at_growing_length(traced: Traced, fusible) -> dict[fx.Node, str]:
                 lengths |= {keys.shape[-2] - 1, keys.shape[-2], keys.shape[-2] + 1}
     if not lengths:
         return {}
-    fed, held = fed_by_state(traced), {}
-    for node in traced.graph.nodes:  # in program order: what reads a held value (a max over the keys) is held too
+    fed, reached, held = fed_by_state(traced), set(), {}
+    for node in traced.graph.nodes:  # in program order: what is computed from a held value is held too
         value = traced.value(node) if node in fed else None
         at_length = isinstance(value, torch.Tensor) and bool(lengths & set(value.shape))
-        if fusible(node) and (at_length or any(a in held for a in node.all_input_nodes)):
+        if leaf(node) or not (at_length or any(a in reached for a in node.all_input_nodes)):
+            continue
+        reached.add(node)
+        if fusible(node):
             held[node] = REASON
     return held

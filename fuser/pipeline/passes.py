@@ -38,6 +38,7 @@ from fuser.pipeline.growing_state import at_growing_length
 from fuser.pattern import is_hand_written
 from fuser.regions.growth import feeds, merged, siblings, stored_in_place, widened
 from fuser.regions.builder import Region, RegionBuilder, fusible
+from fuser.ir.canonical_op import HEAVY
 from fuser.ir.report import Rejected
 from fuser.trace.tracing import Traced
 from fuser.validate.against_eager import record_values, validate as validate_kernel
@@ -75,7 +76,8 @@ def planning(module: torch.nn.Module, traced: Traced, cops: dict, patterns: list
 
 def hold_growing_state(p: Planning) -> Planning:
     """Glue at the length of a cache that grows each call stays eager (:mod:`fuser.pipeline.growing_state`)."""
-    p.held = at_growing_length(p.traced, lambda n: n in p.cops and fusible(p.cops[n]))
+    p.held = at_growing_length(p.traced, lambda n: n in p.cops and fusible(p.cops[n]),
+                               lambda n: getattr(p.cops.get(n), "kind", None) == HEAVY)
     p.taken |= set(p.held)
     p.failed.update(p.held)
     return p

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
 # Non-tensor values that the guard compares by value; anything else must be the same object.
@@ -66,7 +67,7 @@ class CallSpec:
         arguments, names, taken, state_names = [], [], set(), []
         for name, value in bound.arguments.items():
             kind = signature.parameters[name].kind
-            leaves, spec = pytree.tree_flatten_with_path(value)
+            leaves, spec = pytree.tree_flatten_with_path(_mutable(value))
             tensors, constants, states = [], [], []
             for i, (path, leaf) in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor) or is_state(leaf):
@@ -104,7 +105,7 @@ class CallSpec:
             if leaves is not None:
                 spec = argument.spec  # what pytree would say, without asking it
             else:
-                leaves, spec = pytree.tree_flatten(value)
+                leaves, spec = pytree.tree_flatten(_mutable(value))
             if spec != argument.spec:
                 return None, f"{argument.name} has another structure than traced ({_describe(value)})"
             for i, constant, label in argument.constants:
@@ -355,6 +356,19 @@ def _plain_leaves(value, spec: pytree.TreeSpec) -> list | None:
     if all(isinstance(c, _LEAVES) for c in children) and all(s.is_leaf() for s in _children(spec)):
         return list(children)
     return None
+
+
+def _mutable(value):
+    """``value`` with fx's ``immutable_dict`` and ``immutable_list`` as the dict and list they
+    stand for: a call made from an fx graph (a fused forward that calls the module) passes its
+    dicts and lists so, and pytree tells them apart from the plain ones of an eager call."""
+    if type(value) in (immutable_dict, dict):
+        return {k: _mutable(v) for k, v in value.items()}
+    if type(value) in (immutable_list, list):
+        return [_mutable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_mutable(v) for v in value)
+    return value
 
 
 def _children(spec: pytree.TreeSpec) -> list:

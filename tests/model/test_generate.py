@@ -86,11 +86,38 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
     assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
 
 
-def test_a_dynamic_cache_whose_mask_reaches_a_kernel_declines_each_step_and_counts_it():
-    """DeepSeek-V4 attends with transformers' eager attention: its 4-D mask, which grows by a
-    key each step of a dynamic cache, is added to the scores in a fused kernel built for one
-    length, so the decode steps after the one it was fused on run eager — counted by reason,
-    warned once — with eager's tokens."""
+def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_decode_step():
+    """DeepSeek-V4 attends with transformers' eager attention: the mask add, the sink's logit
+    and the softmax over the keys are glue at the cache's length, which grows by one each step
+    of a dynamic cache. They stay eager (with the max read through ``max(...).values``), the
+    rest of the layer is fused, and every decode step takes the fused path with eager's tokens.
+    The prompt is 9 tokens: at the suite's 5 the first decode step's mask (6 keys) lies next to
+    a literal of the tiny config's router (``histc``'s max of 7 over 8 experts), a size the guard
+    keeps holding (the next test)."""
+    model = causal_lm("deepseek_v4", layers=2)
+    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    eager = generate(model, ids, mask, "dynamic")
+    fuser.apply(model)
+    first = generate(model, ids, mask, "dynamic")  # fused on its first decode step
+    before = layer_calls(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = generate(model, ids, mask, "dynamic")
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+    for layer, counts in layer_calls(model).items():
+        # every decode step fused; the prefill (9 tokens) declined, counted
+        assert counts["fused"] - before[layer]["fused"] == NEW - 1, (layer, before[layer], counts)
+        declined = {r: n - before[layer]["declined"].get(r, 0) for r, n in counts["declined"].items()}
+        assert {r: n for r, n in declined.items() if n} == {"hidden_states dim 1 is 9, traced with 1": 1}, declined
+    assert not [w for w in fuser_warnings(caught) if "DecoderLayer" in w], fuser_warnings(caught)
+
+
+def test_a_mask_length_next_to_a_literal_of_the_graph_declines_each_step_and_counts_it():
+    """Where the mask's length at the fused call, or one more or less, is a literal of the graph
+    (here the router's ``histc`` max of 7, beside a mask of 6 keys), the literal could have been
+    read off the length: the guard holds it, so the decode steps after that one run eager —
+    counted by reason, warned once — with eager's tokens."""
     model = causal_lm("deepseek_v4", layers=2)
     ids, mask = prompt(1)
     eager = generate(model, ids, mask, "dynamic")

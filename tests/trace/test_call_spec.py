@@ -54,3 +54,22 @@ def test_a_call_binding_its_arguments_otherwise_is_bound_again():
     tensors, why = spec.flatten((), by_keyword)
     assert why is None and tensors[0] is args[0]
     assert spec.flatten((), {})[1] == "missing a required argument: 'hidden'"
+
+
+def test_fx_s_immutable_dicts_and_lists_are_the_dicts_and_lists_they_stand_for():
+    """A call made from an fx graph (a fused forward that calls the module: transformers'
+    DeepSeek-V4 model hands its layers ``position_embeddings={"main": ..., "compress": ...}``)
+    passes fx's ``immutable_dict`` and ``immutable_list``; an eager call, plain ones. Either way
+    round, the call has the traced structure; a tuple in place of a list still does not."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    t = [torch.randn(2, 3) for _ in range(3)]
+    plain = dict(position_embeddings={"main": (t[0], t[1])}, cache=[t[2], 3])
+    from_fx = dict(position_embeddings=immutable_dict({"main": (t[0], t[1])}), cache=immutable_list([t[2], 3]))
+    for traced, called in ((plain, from_fx), (from_fx, plain)):
+        spec = CallSpec.of(forward, (t[0],), traced)
+        tensors, why = spec.flatten((t[0],), called)
+        assert why is None and [id(x) for x in tensors] == [id(x) for x in (t[0], t[0], t[1], t[2])]
+    spec = CallSpec.of(forward, (t[0],), plain)
+    tensors, why = spec.flatten((t[0],), dict(plain, cache=(t[2], 3)))
+    assert tensors is None and why.startswith("kwargs has another structure than traced"), why
