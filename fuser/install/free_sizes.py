@@ -13,6 +13,11 @@ grow (:mod:`fuser.install.leaf_sizes`) after the cache was written; the guard, h
 mask's length, declines that call before anything runs.
 Size-1 dims (broadcast heads) stay held too. A kernel computed from a free input through a
 leaf checks its sizes at run time (:mod:`fuser.install.leaf_sizes`).
+
+A dim held only because a literal lies next to its size (:func:`near_literals`: a padding mask
+of 17 keys in a graph with a head dim of 16) may well be free: the guard says so when it
+declines a call for it, and a model fused at its first decode call is fused again from a later
+one (:mod:`fuser.model.lazy_model`), at a length no literal lies next to.
 """
 
 from __future__ import annotations
@@ -31,8 +36,20 @@ def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[
     result whose sizes do not follow its inputs' (an attention's output does not follow its
     mask's keys): :func:`reached_from` tells which kernels to check at run time all the same.
     ``fed``: the nodes computed from a call given state (:func:`fuser.install.leaf_sizes.fed_by_state`)."""
-    literals = _int_literals(traced.graph) | _state_sizes(traced, kernel_nodes, fed)
-    free = {}
+    return _unreached_sizes(traced, cops, kernel_nodes, fed)[0]
+
+
+def near_literals(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node] = frozenset()) -> dict[str, dict[int, frozenset[int]]]:
+    """Graph input name -> {dim: the literals next to its size} for the dims :func:`free_sizes`
+    holds only because a literal of the graph lies next to their size (not a size of a kernel's
+    value computed from state)."""
+    return _unreached_sizes(traced, cops, kernel_nodes, fed)[1]
+
+
+def _unreached_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node]) -> tuple[dict, dict]:
+    """(free dims, dims held by a literal next to their size) of the inputs that reach no kernel."""
+    literals, state = _int_literals(traced.graph), _state_sizes(traced, kernel_nodes, fed)
+    free, near = {}, {}
     for node in traced.graph.nodes:
         if node.op != "placeholder" or _reaches(node, kernel_nodes, cops):
             continue
@@ -40,11 +57,14 @@ def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[
         if not isinstance(value, torch.Tensor):
             continue
         batch = traced.batch_inputs.get(node.name)
-        dims = tuple(d for d, size in enumerate(value.shape)
-                     if d != batch and size > 1 and not {size - 1, size, size + 1} & literals)  # fmt: skip
+        sizes = {d: {size - 1, size, size + 1} for d, size in enumerate(value.shape) if d != batch and size > 1}
+        dims = tuple(d for d, around in sizes.items() if not around & (literals | state))
+        held = {d: frozenset(around & literals) for d, around in sizes.items() if around & literals and not around & state}
         if dims:
             free[node.name] = dims
-    return free
+        if held:
+            near[node.name] = held
+    return free, near
 
 
 def _state_sizes(traced: Traced, kernel_nodes: set[fx.Node], fed: set[fx.Node]) -> set[int]:

@@ -85,7 +85,9 @@ def share_within(module: nn.Module) -> None:
 _OUTER: contextvars.ContextVar[tuple] = contextvars.ContextVar("fuser_shared_outer", default=())
 
 
-def _memo_opened(_module, _args, _kwargs):
+def _memo_opened(_module, _args, _kwargs=None):
+    # (_kwargs may be missing: a hook removed while its module's pre-hooks run, as a model fused
+    # again from its own pre-hook does, is still called, and torch no longer finds its flag)
     _OUTER.set((*_OUTER.get(), _MEMO.get()))
     _MEMO.set({})
 

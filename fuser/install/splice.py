@@ -53,10 +53,16 @@ class Guard:
     traced: list[tuple[str, Any]]  # (graph input name, (dtype, device, sizes)) per tensor
     predicate: Callable[..., bool] | None = None
     state_reads: tuple = ()  # what the trace read off state objects (fuser.trace.call_spec.StateRead)
+    # input name -> {dim: the literals next to its size} for the dims held only because of them
+    near_literals: dict[str, dict[int, frozenset]] = field(default_factory=dict)
+    # a call was declined for such a dim, at a size whose next (a cache grows by one a step)
+    # lies clear of those literals: a fuse from the next call would leave the dim free
+    declined_near_literal: bool = False
 
     @classmethod
-    def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None, free=None) -> "Guard":
-        """``free``: input name -> dims of any size (:mod:`fuser.install.free_sizes`)."""
+    def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None, free=None, near_literals=None) -> "Guard":
+        """``free``: input name -> dims of any size; ``near_literals``: dims held only because
+        a literal lies next to their size (:mod:`fuser.install.free_sizes`)."""
         specs = []
         for name, value in zip(traced.input_names, traced.example_inputs):
             if not isinstance(value, torch.Tensor):
@@ -65,7 +71,7 @@ class Guard:
             batch, any_size = traced.batch_inputs.get(name), (free or {}).get(name, ())
             sizes = tuple(None if i == batch else ANY if i in any_size else s for i, s in enumerate(value.shape))
             specs.append((name, (value.dtype, value.device, sizes)))
-        return cls(traced.call, specs, predicate, tuple(traced.state_reads))
+        return cls(traced.call, specs, predicate, tuple(traced.state_reads), dict(near_literals or {}))
 
     def why_not(self, args, kwargs) -> str | None:
         """None when the fused forward applies to this call, else the reason it does not."""
@@ -106,6 +112,10 @@ class Guard:
                     if have == 0:
                         return f"{name} has no tokens"
                 elif have != want:
+                    near = self.near_literals.get(name, {}).get(i)
+                    if near is not None:
+                        self.declined_near_literal |= not near & {have, have + 1, have + 2}
+                        return f"{name} dim {i} is {have}, traced with {want} (held: a literal of the graph lies next to {want})"
                     return f"{name} dim {i} is {have}, traced with {want}"
         return None
 

@@ -53,6 +53,7 @@ class Report:
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
     state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
     free_sizes: dict = field(default_factory=dict)  # input -> dims of any size at each call (fuser.install.free_sizes)
+    sizes_near_literals: dict = field(default_factory=dict)  # input -> dims held only by a literal next to their size
     merged_projections: list[str] = field(default_factory=list)  # linear layers run as one GEMM ("a + b + c")
     projections_apart: dict = field(default_factory=dict)  # linear layers of one input left apart -> why
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
@@ -123,6 +124,11 @@ class Report:
         if self.free_sizes:
             values = ", ".join(f"{k} dims {v}" for k, v in self.free_sizes.items())
             lines += ["", f"inputs that reach no kernel, whose sizes may differ from call to call: {values}"]
+        if self.sizes_near_literals:
+            values = ", ".join(f"{k} dims {v}" for k, v in self.sizes_near_literals.items())
+            lines += ["", f"inputs that reach no kernel, held at their sizes because a literal of the graph lies next to them "
+                          f"(it may have been read off them; a model fused at its first decode call is fused again from a later "
+                          f"one): {values}"]
         launches = sum(u.launches for u in self.unfused)
         lines += ["", f"unfused glue ({len(self.unfused)} nodes, {launches} launches):"]
         node_w = max([len(u.node) for u in self.unfused] + [8])

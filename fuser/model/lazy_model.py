@@ -8,6 +8,13 @@ fuses the model on — whatever ``generate`` passes then (its cache type, ``posi
 padding mask, the batch size) is what the trace sees — and the call then runs on the fused
 layers. Calls before it (the prefill) run eager.
 
+A layer whose guard holds a size only because a literal of its graph lies next to it (a
+padding mask of 17 keys in a graph with a head dim of 16: :func:`fuser.install.free_sizes.near_literals`)
+declines the decode steps after the one it was fused at, as the mask grows. Once a decline comes
+at a length whose next lies clear of the literal (the guard tells), the next decode call fuses
+the model again, from that call (at most :data:`MAX_FUSES_AGAIN` times; a prefill in between
+calls it off): the dim is free then, and the plan serves every length after. The report says so (``ModelReport.fused_again``).
+
 Afterwards a call of more than one new token per sequence (the next prompt's prefill) runs
 eager by design: its declines are counted (``fuser.stats``) without a warning. A decode call
 that a fused module declines warns once, as any decline does. A model that cannot be fused
@@ -29,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from fuser.codegen.capture_guard import capturing
-from fuser.install.splice import add_copy_hooks, expect_declines
+from fuser.install.splice import STATE_ATTR, add_copy_hooks, expect_declines
 from fuser.model import cuda_graphs, fuse_model
 from fuser.model.decode_calls import is_decode_call
 from fuser.model.fuse_model import MODEL_ATTR
@@ -40,6 +47,7 @@ from fuser.trace.refusal import user_stacklevel
 log = logging.getLogger("fuser")
 
 LAZY_ATTR = "_fuser_lazy"  # on a model fused at its first decode call: its LazyModel
+MAX_FUSES_AGAIN = 2  # fuses from a later decode call, for sizes held by a literal next to them
 
 
 class LazyModel:
@@ -50,6 +58,7 @@ class LazyModel:
         self.cuda_graphs = options.pop("cuda_graphs", False)
         self.model, self.report, self.options = model, report, options
         self.state = "waiting"  # -> "fused" or "eager"
+        self.near_literal_guards = []  # the fused modules' guards that hold a size by a literal next to it
         self._per_thread()
         self.compile_setting = _turn_off_auto_compile(model)
         model.register_forward_pre_hook(self.before, with_kwargs=True)
@@ -71,8 +80,14 @@ class LazyModel:
             return None
         decode = is_decode_call(args, kwargs)
         fusing = getattr(self.local, "fusing", False)
-        if decode and self.state == "waiting" and not fusing and not capturing():
-            self._fuse(args, kwargs)
+        if decode and not fusing and not capturing():
+            if self.state == "waiting":
+                self._fuse(args, kwargs)
+            elif self.near_literal_guards and any(g.declined_near_literal for g in self.near_literal_guards):
+                self._fuse_again(args, kwargs)
+        elif not decode:  # a prefill: the next decode call's length is the new prompt's, not one more
+            for guard in self.near_literal_guards:
+                guard.declined_near_literal = False
         prefill = not decode and not fusing
         self.local.prefills = [*getattr(self.local, "prefills", []), prefill]
         if prefill:
@@ -102,8 +117,29 @@ class LazyModel:
                 return
             self.state = "fused"
             self.report.pending = None
+            if len(self.report.fused_again) < MAX_FUSES_AGAIN:
+                guards = (m.__dict__[STATE_ATTR].guard for m in self.model.modules() if STATE_ATTR in m.__dict__)
+                self.near_literal_guards = [g for g in guards if g.near_literals]
             if self.cuda_graphs:
                 cuda_graphs.wrap(self.model)
+
+    def _fuse_again(self, args, kwargs) -> None:
+        """Undo the fuse and fuse from this decode call: a size held by a literal next to it
+        at the first one declined a later call (the module docstring)."""
+        with self.lock:
+            if self.state != "fused":
+                return
+            held = sorted({f"{name} dims {sorted(dims)}" for g in self.near_literal_guards if g.declined_near_literal
+                           for name, dims in g.near_literals.items()})  # fmt: skip
+            cuda_graphs.unwrap(self.model)
+            restore_fused(self.model)
+            self.model.__dict__[MODEL_ATTR] = self.report
+            add_copy_hooks(self.model)
+            self.report.groups, self.report.others, self.report.skipped = [], {}, {}
+            self.report.fused_again.append(f"{', '.join(held)}: held by a literal next to their sizes at the call fused before")
+            self.near_literal_guards, self.state = [], "waiting"
+            log.info("fuser: %s is fused again at a later decode call (%s)", type(self.model).__name__, self.report.fused_again[-1])
+        self._fuse(args, kwargs)
 
     def _give_up(self, why: str) -> None:
         self.state = "eager"

@@ -33,6 +33,7 @@ class ModelReport:
     others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report
     skipped: dict[str, str] = field(default_factory=dict)  # other submodules not fused: name -> why
     pending: str | None = None  # fused lazily (fuser.model.lazy_model): why nothing is fused yet
+    fused_again: list[str] = field(default_factory=list)  # fused lazily, then again from a later call: why
 
     @property
     def launches_before(self) -> int:
@@ -65,6 +66,8 @@ class ModelReport:
         if self.pending:
             return "\n".join([*lines, f"nothing fused: {self.pending}"])
         lines.append(f"glue kernel launches per forward: {self.launches_before} eager -> {self.launches_after} fused")
+        for why in self.fused_again:
+            lines.append(f"fused again from a later decode call: {why}")
         for i, g in enumerate(self.groups):
             head = f"layer structure {i}: {len(g.layers)} layers ({g.layers[0]} ...)"
             if g.report is None:

@@ -98,8 +98,9 @@ def plan(
         if leaf["name"] in f.cache_writes:
             leaf["reason"] += "; a layer of transformers' StaticCache (plain or sliding-window) is written by one kernel (fuser.install.kv_cache)"
     report.free_sizes = {name: list(dims) for name, dims in f.free.items()}
+    report.sizes_near_literals = {name: sorted(dims) for name, dims in f.near_literals.items()}
     report.merged_projections, report.projections_apart = list(f.merges), dict(f.merges_refused)
-    p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free), report)
+    p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
     p.literals = dict(report.literals)

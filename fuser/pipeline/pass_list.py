@@ -31,7 +31,7 @@ from fuser.install.copies import Copy, copy_kernels, install_copies
 from fuser.install.fused_graph import compile_forward, rewrite_graph
 from fuser.install.kv_cache import write_in_one_kernel
 from fuser.install.merged_weights import MergedWeights
-from fuser.install.free_sizes import free_sizes, reached_from
+from fuser.install.free_sizes import free_sizes, near_literals, reached_from
 from fuser.install.leaf_sizes import fed_by_state, size_checked
 from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
@@ -65,6 +65,7 @@ class Fusing:
     graph: fx.Graph | None = None  # rewrite_graph: the fused graph
     survivors: set = field(default_factory=set)  # rewrite_graph: the traced nodes it keeps
     free: dict = field(default_factory=dict)  # rewrite_graph: input -> dims of any size (install.free_sizes)
+    near_literals: dict = field(default_factory=dict)  # rewrite_graph: input -> dims held by a literal next to their size
     cache_writes: list[str] = field(default_factory=list)  # static_cache_write: the calls changed
     merged: MergedWeights | None = None  # merge_projections: the groups merged
     merges: list[str] = field(default_factory=list)  # merge_projections: each group merged, named
@@ -164,6 +165,7 @@ def fused_graph(f: Fusing) -> None:
     copied = {c.node for c in f.copies}
     from_state = fed_by_state(f.traced)
     f.free = free_sizes(f.traced, f.cops, f.covered() | copied, from_state)
+    f.near_literals = near_literals(f.traced, f.cops, f.covered() | copied, from_state)
     fed = from_state | reached_from(f.traced.graph, f.free)
     launchers = {
         i: size_checked(once_per_forward(k.launch) if k in f.shared else k.launch, k.path.name if k.path else str(i),

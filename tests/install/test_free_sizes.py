@@ -48,6 +48,16 @@ def test_a_size_the_graph_holds_as_a_literal_stays_held():
     module = Attention(sliced=True).eval()
     report = fuser.apply(module, inputs(6))
     assert report.free_sizes == {"k": [3], "v": [3]}, report.free_sizes  # the length 6 is a literal of the slice
+    assert report.sizes_near_literals == {"k": [2], "v": [2], "mask": [3]}, report.sizes_near_literals
+    assert "held at their sizes because a literal of the graph lies next to them" in report.text()
     with torch.no_grad():
         module(*inputs(7))
-    assert fuser.stats(module)[""]["declined"] == {"k dim 2 is 7, traced with 6": 1}, fuser.stats(module)
+    reason = "k dim 2 is 7, traced with 6 (held: a literal of the graph lies next to 6)"
+    assert fuser.stats(module)[""]["declined"] == {reason: 1}, fuser.stats(module)
+
+
+def test_only_sizes_next_to_a_literal_are_said_to_be_held_by_one():
+    report = fuser.apply(Attention(sliced=True).eval(), inputs(9))  # the slice's literal is 9
+    assert report.sizes_near_literals == {"k": [2], "v": [2], "mask": [3]}, report.sizes_near_literals
+    report = fuser.apply(Attention().eval(), inputs(6))
+    assert report.sizes_near_literals == {}, report.sizes_near_literals

@@ -29,12 +29,12 @@ def prompt(batch: int):
     return ids, mask
 
 
-def generate(model, ids, mask, cache: str):
+def generate(model, ids, mask, cache: str, new: int = NEW):
     """Greedy, with transformers' own compile of a static-cache step off (on a GPU it would
     compile the eager reference too)."""
     kwargs = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                               pad_token_id=0, **kwargs)  # fmt: skip
 
 
@@ -92,8 +92,8 @@ def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_dec
     of a dynamic cache. They stay eager (with the max read through ``max(...).values``), the
     rest of the layer is fused, and every decode step takes the fused path with eager's tokens.
     The prompt is 9 tokens: at the suite's 5 the first decode step's mask (6 keys) lies next to
-    a literal of the tiny config's router (``histc``'s max of 7 over 8 experts), a size the guard
-    keeps holding (the next test)."""
+    a literal of the tiny config's router (``histc``'s max of 7 over 8 experts), and the model is
+    fused again from a later step (the next test)."""
     model = causal_lm("deepseek_v4", layers=2)
     ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
@@ -113,27 +113,44 @@ def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_dec
     assert not [w for w in fuser_warnings(caught) if "DecoderLayer" in w], fuser_warnings(caught)
 
 
-def test_a_mask_length_next_to_a_literal_of_the_graph_declines_each_step_and_counts_it():
-    """Where the mask's length at the fused call, or one more or less, is a literal of the graph
-    (here the router's ``histc`` max of 7, beside a mask of 6 keys), the literal could have been
-    read off the length: the guard holds it, so the decode steps after that one run eager —
-    counted by reason, warned once — with eager's tokens."""
-    model = causal_lm("deepseek_v4", layers=2)
-    ids, mask = prompt(1)
-    eager = generate(model, ids, mask, "dynamic")
-    fuser.apply(model)
+NEAR_LITERALS = [
+    ("deepseek_v4", 1, PROMPT),  # a mask of 6 keys at the first decode step; the router's histc has a max of 7 (8 experts)
+    ("llama", 2, 15),  # left padding: a 4-D mask of 16 keys; the head dim is 16
+]
+
+
+@pytest.mark.parametrize("name,batch,length", NEAR_LITERALS, ids=[n for n, _, _ in NEAR_LITERALS])
+def test_a_mask_length_next_to_a_literal_is_fused_again_from_a_later_decode_step(name, batch, length):
+    """Where the mask's length at the first decode call, or one more or less, is a literal of the
+    graph, the literal could have been read off the length: the guard holds it, and the next
+    steps decline (counted, warned once, said to be held by a literal). Once a step's next
+    length is clear of the literal, the model is fused again from that step, the mask's length
+    is free, and every decode step of the next generate takes the fused path, with eager's tokens."""
+    model = causal_lm(name, layers=2)
+    ids = torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[0, :2] = 0
+    new = NEW + 3  # the decode steps: fused, two declined, fused again
+    eager = generate(model, ids, mask, "dynamic", new)
+    report = fuser.apply(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = generate(model, ids, mask, "dynamic")  # fused on its first decode step
-        before = layer_calls(model)["model.layers.0"]
-        again = generate(model, ids, mask, "dynamic")
-    assert torch.equal(first, eager) and torch.equal(again, eager)
-    after = layer_calls(model)["model.layers.0"]
-    # of the decode steps, only the one at the length the layer was fused at takes the fused path
-    assert after["fused"] - before["fused"] <= 1, (before, after)
-    grown = {r: n - before["declined"].get(r, 0) for r, n in after["declined"].items() if r.startswith("attention_mask dim 3 is ")}
-    assert sum(grown.values()) >= NEW - 2, (before, after)
-    assert any("DecoderLayer runs its own forward" in w for w in fuser_warnings(caught)), fuser_warnings(caught)
+        first = generate(model, ids, mask, "dynamic", new)
+    assert torch.equal(first, eager)
+    held = [w for w in fuser_warnings(caught) if "DecoderLayer runs its own forward" in w]
+    assert held and "(held: a literal of the graph lies next to" in held[0], fuser_warnings(caught)
+    assert report.fused_again and "attention_mask dims [3]" in report.fused_again[0], report.fused_again
+    assert "fused again from a later decode call" in report.text()
+    assert not any(g.report.sizes_near_literals for g in report.groups), [g.report.sizes_near_literals for g in report.groups]
+
+    before = layer_calls(model)
+    again = generate(model, ids, mask, "dynamic", new)
+    assert torch.equal(again, eager)
+    for layer, counts in layer_calls(model).items():
+        assert counts["fused"] - before[layer]["fused"] == new - 1, (layer, before[layer], counts)
+        declined = {r: n - before[layer]["declined"].get(r, 0) for r, n in counts["declined"].items()}
+        assert {r: n for r, n in declined.items() if n} == {f"hidden_states dim 1 is {length}, traced with 1": 1}, declined
 
 
 def test_a_model_that_cannot_be_fused_runs_eager_with_one_warning(monkeypatch):
