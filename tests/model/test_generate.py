@@ -52,8 +52,10 @@ CASES = [
     ("llama", "dynamic", 2),  # the 4-D padding mask grows a key a step: a size no kernel holds
     ("llama", "static", 2),
     ("gemma2", "dynamic", 1),  # sliding-window layers, logit soft-capping
+    ("gemma2", "dynamic", 2),
     ("gemma2", "static", 2),
     ("qwen3_moe", "dynamic", 1),
+    ("qwen3_moe", "static", 2),
     ("deepseek_v4", "static", 2),
 ]
 
@@ -86,7 +88,8 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
     assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
 
 
-def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_decode_step():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_decode_step(batch):
     """DeepSeek-V4 attends with transformers' eager attention: the mask add, the sink's logit
     and the softmax over the keys are glue at the cache's length, which grows by one each step
     of a dynamic cache. They stay eager (with the max read through ``max(...).values``), the
@@ -95,8 +98,10 @@ def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_dec
     a literal of the tiny config's router (``histc``'s max of 7 over 8 experts), and the model is
     fused again from a later step (the next test)."""
     model = causal_lm("deepseek_v4", layers=2)
-    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 128, (batch, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[0, :2] = 0  # left padding
     eager = generate(model, ids, mask, "dynamic")
     fuser.apply(model)
     first = generate(model, ids, mask, "dynamic")  # fused on its first decode step
