@@ -37,8 +37,9 @@ def grows(state) -> bool:
 
 def at_growing_length(traced: Traced, fusible, leaf) -> dict[fx.Node, str]:
     """The fusible nodes (``fusible(node)``) computed from a growing cache at its length, or from
-    such a value through anything but a leaf (``leaf(node)``: an attention's product, whose
-    sizes do not follow the keys') -> why."""
+    such a value through tensors (a ``max``'s result and its ``values`` too) up to a leaf
+    (``leaf(node)``: an attention's product, whose sizes do not follow the keys') -> why. A
+    size read off such a value is a number, not a value computed at the length."""
     call = traced.call
     states = call.states if call is not None else frozenset()
     growing = {n for n in traced.graph.nodes if n.op == "placeholder" and n.name in states and grows(traced.value(n))}
@@ -57,9 +58,15 @@ def at_growing_length(traced: Traced, fusible, leaf) -> dict[fx.Node, str]:
     for node in traced.graph.nodes:  # in program order: what is computed from a held value is held too
         value = traced.value(node) if node in fed else None
         at_length = isinstance(value, torch.Tensor) and bool(lengths & set(value.shape))
-        if leaf(node) or not (at_length or any(a in reached for a in node.all_input_nodes)):
+        computed = traced.shadows.get(node.name, (None,))[0]
+        if leaf(node) or not _tensors(computed) or not (at_length or any(a in reached for a in node.all_input_nodes)):
             continue
         reached.add(node)
         if fusible(node):
             held[node] = REASON
     return held
+
+
+def _tensors(value) -> bool:
+    """Is ``value`` a tensor, or a tuple holding one (a ``max``'s values and indices)?"""
+    return isinstance(value, torch.Tensor) or isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value)
