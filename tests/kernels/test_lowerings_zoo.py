@@ -21,6 +21,8 @@ from helpers import gen, randn
 from test_lowerings_more import Around, fused_matches, pair
 from test_ops_golden import DTYPES
 
+from fuser.pipeline.pass_list import DISABLE_PASSES_ENV
+
 WIDTHS = [1, 37, 130]
 
 
@@ -105,16 +107,20 @@ class PerHeadLayerNorm(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [3, 37, 130])
 @pytest.mark.parametrize("heads", [2, 5])
-def test_per_head_layer_norms_concatenated_along_the_heads(heads, dim, dtype):
+def test_per_head_layer_norms_concatenated_along_the_heads(heads, dim, dtype, monkeypatch):
+    # the concatenation's own lowering: what is left where per_slice_norms (one norm with the
+    # weights stacked, tests/trace/test_per_slice_norms.py) does not match
+    monkeypatch.setenv(DISABLE_PASSES_ENV, "per_slice_norms")
     report = fused_matches(PerHeadLayerNorm(heads, dim, dtype), pair(dtype, heads, dim), ["cat", "layer_norm"])
     assert len(report.chains) == 1, report.text()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [4, 7])
-def test_per_head_layer_norms_with_the_heads_split_across_programs(heads, dtype):
+def test_per_head_layer_norms_with_the_heads_split_across_programs(heads, dtype, monkeypatch):
     """Rows too wide for one program (heads of 640 columns: StableLM-2-12B's 32 heads of 160
     are 5120 wide) put a few heads in each program: each picks its own heads' parts."""
+    monkeypatch.setenv(DISABLE_PASSES_ENV, "per_slice_norms")  # the concatenation's lowering, as above
     report = fused_matches(PerHeadLayerNorm(heads, 640, dtype), pair(dtype, heads, 640), ["cat", "layer_norm"])
     (chain,) = report.chains
     assert "BLOCK_TILE" in open(chain.path).read()  # the heads are tiled

@@ -16,6 +16,7 @@ NAMES = [
     "trace",
     "in_place_idioms",
     "attention_calls",
+    "per_slice_norms",
     "canonicalize",
     "growing_state",
     "fuse_patterns",
@@ -90,7 +91,7 @@ def test_the_list_names_every_step_in_order():
     assert [p.name for p in PASS_LIST] == NAMES
     assert [p.name for p in PASS_LIST if p.required] == REQUIRED
     assert switchable() == [n for n in NAMES if n not in REQUIRED and n != "install_copies"]
-    assert [p.name for p in PASS_LIST if p.inside == "trace"] == ["in_place_idioms", "attention_calls"]
+    assert [p.name for p in PASS_LIST if p.inside == "trace"] == ["in_place_idioms", "attention_calls", "per_slice_norms"]
     # trace() by itself runs the rewrites the list gives it, in the list's order
     assert tracing.REWRITES == tuple(p.run for p in PASS_LIST if p.inside == "trace")
     text = describe()
