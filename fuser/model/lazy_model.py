@@ -85,9 +85,6 @@ class LazyModel:
                 self._fuse(args, kwargs)
             elif self.near_literal_guards and any(g.declined_near_literal for g in self.near_literal_guards):
                 self._fuse_again(args, kwargs)
-        elif not decode:  # a prefill: the next decode call's length is the new prompt's, not one more
-            for guard in self.near_literal_guards:
-                guard.declined_near_literal = False
         prefill = not decode and not fusing
         self.local.prefills = [*getattr(self.local, "prefills", []), prefill]
         if prefill:
@@ -98,6 +95,10 @@ class LazyModel:
         prefills = getattr(self.local, "prefills", None)
         if prefills and not torch.compiler.is_compiling() and prefills.pop():
             expect_declines(False)
+            # the next decode call's length is the new prompt's, not one more than a declined
+            # one's; and what the prefill's own calls declined says nothing of decode steps
+            for guard in self.near_literal_guards:
+                guard.declined_near_literal = False
         return None
 
     def _fuse(self, args, kwargs) -> None:
