@@ -9,11 +9,12 @@ padding mask, the batch size) is what the trace sees — and the call then runs 
 layers. Calls before it (the prefill) run eager.
 
 A layer whose guard holds a size only because a literal of its graph lies next to it (a
-padding mask of 17 keys in a graph with a head dim of 16: :func:`fuser.install.free_sizes.near_literals`)
-declines the decode steps after the one it was fused at, as the mask grows. Once a decline comes
-at a length whose next lies clear of the literal (the guard tells), the next decode call fuses
-the model again, from that call (at most :data:`MAX_FUSES_AGAIN` times; a prefill in between
-calls it off): the dim is free then, and the plan serves every length after. The report says so (``ModelReport.fused_again``).
+padding mask of 17 keys in a graph with a head dim of 16:
+:func:`fuser.install.free_sizes.near_literals`) declines the decode steps after the one it was
+fused at, as the mask grows. Once a decline comes at a length whose next lies clear of the
+literal (the guard tells), the next decode call fuses the model again, from that call (at most
+:data:`MAX_FUSES_AGAIN` times; a prefill in between calls it off): the dim is free then, and
+the plan serves every length after. The report says so (``ModelReport.fused_again``).
 
 Afterwards a call of more than one new token per sequence (the next prompt's prefill) runs
 eager by design: its declines are counted (``fuser.stats``) without a warning. A decode call
