@@ -14,7 +14,7 @@ mask's length, declines that call before anything runs.
 Size-1 dims (broadcast heads) stay held too. A kernel computed from a free input through a
 leaf checks its sizes at run time (:mod:`fuser.install.leaf_sizes`).
 
-A dim held only because a literal lies next to its size (:func:`near_literals`: a padding mask
+A dim held only because a literal lies next to its size (``near_literals``: a padding mask
 of 17 keys in a graph with a head dim of 16) may well be free: the guard says so when it
 declines a call for it, and a model fused at its first decode call is fused again from a later
 one (:mod:`fuser.model.lazy_model`), at a length no literal lies next to.
@@ -30,24 +30,17 @@ from fuser.ir.canonical_op import HEAVY
 from fuser.trace.tracing import Traced
 
 
-def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node] = frozenset()) -> dict[str, tuple[int, ...]]:
-    """Graph input name -> its dims that may take any size at each call. ``kernel_nodes``: the
-    traced nodes the kernels compute or copy; a leaf (a ``HEAVY`` node) is taken to give a
-    result whose sizes do not follow its inputs' (an attention's output does not follow its
-    mask's keys): :func:`reached_from` tells which kernels to check at run time all the same.
-    ``fed``: the nodes computed from a call given state (:func:`fuser.install.leaf_sizes.fed_by_state`)."""
-    return _unreached_sizes(traced, cops, kernel_nodes, fed)[0]
+def free_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node] = frozenset()) -> tuple[dict, dict]:
+    """``(free, near_literals)`` for the graph inputs that reach no kernel through glue.
 
-
-def near_literals(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node] = frozenset()) -> dict[str, dict[int, frozenset[int]]]:
-    """Graph input name -> {dim: the literals next to its size} for the dims :func:`free_sizes`
-    holds only because a literal of the graph lies next to their size (not a size of a kernel's
-    value computed from state)."""
-    return _unreached_sizes(traced, cops, kernel_nodes, fed)[1]
-
-
-def _unreached_sizes(traced: Traced, cops: dict, kernel_nodes: set[fx.Node], fed: set[fx.Node]) -> tuple[dict, dict]:
-    """(free dims, dims held by a literal next to their size) of the inputs that reach no kernel."""
+    ``free``: input name -> its dims that may take any size at each call. ``near_literals``:
+    input name -> {dim: the literals next to its size} for the dims held only because a literal
+    of the graph lies next to their size (not a size of a kernel's value computed from state).
+    ``kernel_nodes``: the traced nodes the kernels compute or copy; a leaf (a ``HEAVY`` node) is
+    taken to give a result whose sizes do not follow its inputs' (an attention's output does not
+    follow its mask's keys): :func:`reached_from` tells which kernels to check at run time all
+    the same. ``fed``: the nodes computed from a call given state
+    (:func:`fuser.install.leaf_sizes.fed_by_state`)."""
     literals, state = _int_literals(traced.graph), _state_sizes(traced, kernel_nodes, fed)
     free, near = {}, {}
     for node in traced.graph.nodes:

@@ -10,7 +10,7 @@ layers. Calls before it (the prefill) run eager.
 
 A layer whose guard holds a size only because a literal of its graph lies next to it (a
 padding mask of 17 keys in a graph with a head dim of 16:
-:func:`fuser.install.free_sizes.near_literals`) declines the decode steps after the one it was
+:func:`fuser.install.free_sizes.free_sizes`) declines the decode steps after the one it was
 fused at, as the mask grows. Once a decline comes at a length whose next lies clear of the
 literal (the guard tells), the next decode call fuses the model again, from that call (at most
 :data:`MAX_FUSES_AGAIN` times; a prefill in between calls it off): the dim is free then, and

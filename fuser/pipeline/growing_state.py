@@ -56,10 +56,9 @@ def at_growing_length(traced: Traced, fusible, leaf) -> dict[fx.Node, str]:
         return {}
     fed, reached, held = fed_by_state(traced), set(), {}
     for node in traced.graph.nodes:  # in program order: what is computed from a held value is held too
-        value = traced.value(node) if node in fed else None
-        at_length = isinstance(value, torch.Tensor) and bool(lengths & set(value.shape))
-        computed = traced.shadows.get(node.name, (None,))[0]
-        if leaf(node) or not _tensors(computed) or not (at_length or any(a in reached for a in node.all_input_nodes)):
+        value = traced.shadows.get(node.name, (None,))[0]
+        at_length = node in fed and isinstance(value, torch.Tensor) and bool(lengths & set(value.shape))
+        if leaf(node) or not _tensors(value) or not (at_length or any(a in reached for a in node.all_input_nodes)):
             continue
         reached.add(node)
         if fusible(node):

@@ -31,7 +31,7 @@ from fuser.install.copies import Copy, copy_kernels, install_copies
 from fuser.install.fused_graph import compile_forward, rewrite_graph
 from fuser.install.kv_cache import write_in_one_kernel
 from fuser.install.merged_weights import MergedWeights
-from fuser.install.free_sizes import free_sizes, near_literals, reached_from
+from fuser.install.free_sizes import free_sizes, reached_from
 from fuser.install.leaf_sizes import fed_by_state, size_checked
 from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
@@ -164,8 +164,7 @@ def share_once_per_forward(f: Fusing) -> None:
 def fused_graph(f: Fusing) -> None:
     copied = {c.node for c in f.copies}
     from_state = fed_by_state(f.traced)
-    f.free = free_sizes(f.traced, f.cops, f.covered() | copied, from_state)
-    f.near_literals = near_literals(f.traced, f.cops, f.covered() | copied, from_state)
+    f.free, f.near_literals = free_sizes(f.traced, f.cops, f.covered() | copied, from_state)
     fed = from_state | reached_from(f.traced.graph, f.free)
     launchers = {
         i: size_checked(once_per_forward(k.launch) if k in f.shared else k.launch, k.path.name if k.path else str(i),
