@@ -43,7 +43,7 @@ def _trace_pattern_cached(pattern_key, pattern: Pattern, sizes_items, dtype_item
     batch = {name: 0 for name, spec in pattern.inputs.items() if spec.dims[:1] == ("T",)}
     recording = names_bound({pattern.path.parent, patterns_dir()}) if named else contextlib.nullcontext({})
     with recording as bound:
-        traced = trace(fn, example_tensors(pattern, sizes, dtypes, EXAMPLE_T, 0, device), batch_inputs=batch)
+        traced = trace(fn, example_tensors(pattern, sizes, dtypes, EXAMPLE_T, 0, device), batch_inputs=batch, torch_only=True)
     cops = canonicalize(traced)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder" and n.target in pattern.inputs]
     out = next(n for n in traced.graph.nodes if n.op == "output").args[0]

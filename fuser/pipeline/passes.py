@@ -41,7 +41,7 @@ from fuser.regions.builder import Region, RegionBuilder, fusible
 from fuser.ir.canonical_op import HEAVY
 from fuser.ir.report import Rejected
 from fuser.trace.tracing import Traced
-from fuser.validate.against_eager import record_values, validate as validate_kernel
+from fuser.validate.against_eager import record_values, validate_all
 
 
 @dataclass
@@ -234,17 +234,17 @@ def validate(p: Planning) -> Planning:
     """Every kernel against eager on one recorded run; a merged (or stored in place) kernel that
     disagrees is replaced by its parts, checked in turn; any other one stays eager, reported."""
     values = record_values(p.module, p.traced, p.cops)
-    pending, p.kernels = p.kernels, []
+    pending = list(zip(p.kernels, validate_all(p.kernels, values, p.cops)))
+    p.kernels = []
     while pending:
-        kernel = pending.pop(0)
-        problem = validate_kernel(kernel, values, p.cops)
+        kernel, problem = pending.pop(0)
         if problem is None:
             p.kernels.append(kernel)
             continue
         region = kernel.region
         if kernel.parts:  # merged or stored in place: what it was made of may still be right
             p.rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", f"{problem}; run unmerged"))
-            pending[:0] = kernel.parts
+            pending[:0] = zip(kernel.parts, validate_all(kernel.parts, values, p.cops))
             continue
         p.rejected.append(Rejected(region.pattern, region.outputs[0].name, "validation", problem))
         p.failed.update({n: f"fused kernel disagreed with eager ({problem})" for n in region.nodes})

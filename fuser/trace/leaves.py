@@ -143,10 +143,24 @@ def _function_at(path: str):
 
 
 # --- which namespaces hold a function by name --------------------------------------------------
+# (the loaded modules' ids, the modules, held so that no id is reused, their user namespaces)
+_NAMESPACES: tuple[tuple, list, list[dict]] = ((), [], [])
+
+
 def _user_namespaces() -> list[dict]:
-    """The dicts of every loaded module outside torch, Triton, the stdlib and fuser."""
+    """The dicts of every loaded module outside torch, Triton, the stdlib and fuser (found anew
+    once the loaded modules change; what each dict holds is read when it is used)."""
+    global _NAMESPACES
+    modules = list(sys.modules.values())
+    loaded = tuple(map(id, modules))
+    if loaded != _NAMESPACES[0]:
+        _NAMESPACES = (loaded, modules, _find_user_namespaces(modules))
+    return _NAMESPACES[2]
+
+
+def _find_user_namespaces(modules: list) -> list[dict]:
     spaces = []
-    for module in list(sys.modules.values()):
+    for module in modules:
         namespace = _namespace(module)
         file = namespace.get("__file__") if isinstance(namespace, dict) else None
         if isinstance(namespace, dict) and not (file and (is_library_file(file) or _is_stdlib(file))):
@@ -373,12 +387,13 @@ def _functions_raising(error: Exception) -> list[Callable]:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     user = [i for i, f in enumerate(frames) if not is_library_file(f.f_code.co_filename)]
-    found = []
+    found, held = [], None
     for k in reversed(range(1, len(user))):
         frame = frames[user[k]]
         if _is_module_forward(frame):
             break
-        function, wrapped = _function_of(frame.f_code)
+        held = _functions_held() if held is None else held
+        function, wrapped = held.get(frame.f_code, (None, False))
         # Called straight from user code, or through the library wrapper the module holds
         # (a decorator's): a call through anything else (a hook, a module call) has no name to patch.
         if function is not None and (wrapped or user[k - 1] == user[k] - 1):
@@ -393,19 +408,20 @@ def _is_module_forward(frame) -> bool:
     return any(frame.f_code is getattr(vars(c).get("forward"), "__code__", None) for c in type(self_).__mro__)
 
 
-def _function_of(code: types.CodeType) -> tuple[Callable | None, bool]:
-    """The function a module holds by name that runs ``code``, and whether it runs it through a
-    wrapper (a decorated function: the module holds the wrapper). Read without running any of
-    the values' code (:func:`_static`): a lazy import held by name stays unimported."""
+def _functions_held() -> dict[types.CodeType, tuple[Callable, bool]]:
+    """Code -> the first function a loaded module holds by name that runs it, and whether it
+    runs it through a wrapper (a decorated function: the module holds the wrapper). Read without
+    running any of the values' code (:func:`_static`): a lazy import held by name stays unimported."""
+    held: dict = {}
     for namespace in _user_namespaces():
         for value in list(namespace.values()):
-            if isinstance(value, type):
+            if isinstance(value, type) or not callable(value):
                 continue
-            if _code_of(value) is code:
-                return value, False
-            if _code_of(_unwrapped(value)) is code:
-                return value, True
-    return None, False
+            if (code := _code_of(value)) is not None:
+                held.setdefault(code, (value, False))
+            if (code := _code_of(_unwrapped(value))) is not None:
+                held.setdefault(code, (value, True))
+    return held
 
 
 def _code_of(value) -> types.CodeType | None:

@@ -8,6 +8,7 @@ error's own message; whatever fails while describing falls back to a plainer des
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -32,6 +33,7 @@ class TraceRefused(Exception):
     location = UNKNOWN_LOCATION  # file:line of that code, when known
 
 
+@functools.lru_cache(maxsize=65536)  # asked of every loaded module at every trace
 def is_library_file(filename: str) -> bool:
     """Code of torch, Triton, the standard library or fuser itself (its pattern files aside)."""
     path = os.path.abspath(filename)

@@ -23,7 +23,6 @@ from fuser.trace.leaves import (  # noqa: F401 - DEFAULT_LEAF_TYPES: read from h
     DEFAULT_LEAF_TYPES,
     LEAF,
     AutomaticLeaf,
-    compiled_functions,
     custom_op,
     is_default_leaf,
     kernel_launches_as_leaves,
@@ -69,8 +68,10 @@ class ShadowTracer(fx.Tracer):
         leaf_functions: Sequence[Callable] = (),
         counters: Iterable[tuple] = (),
         leaf_modules: Iterable[torch.nn.Module] = (),
+        compiled_leaves: Sequence[Callable] = (),
     ):
         super().__init__(param_shapes_constant=True)
+        self.compiled_leaves = list(compiled_leaves)  # C extensions' functions: one call each, wherever held
         self.counters = set(counters)  # getters (state, path) the forward changes: leaves, never values
         self.leaf_functions = list(leaf_functions)  # patched where they are held: fuser.trace.leaves
         self.noted: list[AutomaticLeaf] = []  # calls into compiled code, kept as one call each
@@ -373,7 +374,7 @@ class ShadowTracer(fx.Tracer):
         self._states = call.states
         self._placeholder_values = {n: (a, b) for n, a, b in zip(call.names, inputs_a, inputs_b)}
         with (
-            patched_leaf_functions(self.leaf_functions, compiled_functions()),
+            patched_leaf_functions(self.leaf_functions, self.compiled_leaves),
             kernel_launches_as_leaves(),
             refuse_stream_switches(self),
             refuse_module_rebinding(),

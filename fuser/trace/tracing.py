@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from fuser.trace import in_place_idioms as idioms
 from fuser.trace.attention_calls import AttentionRewrite, rewrite_attention_calls
-from fuser.trace.leaves import AutomaticLeaf, leaf_after, opaque_functions
+from fuser.trace.leaves import AutomaticLeaf, compiled_functions, leaf_after, opaque_functions
 from fuser.trace.per_slice_norms import per_slice_norms
 from fuser.trace.tracer import ShadowTracer
 from fuser.trace.token_dims import batch_dims_of, grown as grown_inputs, held_inputs_hint, infer_batch_inputs, rows_per_token
@@ -122,6 +122,7 @@ def trace(
     leaves: Iterable[str | type | Callable | torch.nn.Module] = (),
     batch_inputs: dict[str, int] | None = None,
     rewrites: Sequence[Callable] | None = None,
+    torch_only: bool = False,
 ) -> Traced:
     """Trace ``module.forward`` (or a plain function) with the token dimension symbolic.
 
@@ -136,7 +137,10 @@ def trace(
     maps forward parameter names (or graph input names) to their batch dim (default: read off
     the example, :func:`fuser.trace.token_dims.infer_batch_inputs`). Buffers the forward
     mutates are restored. ``rewrites``: the graph rewrites the trace ends with, in order (default :data:`REWRITES`, all of them; the pipeline
-    passes those its pass list has switched on, :mod:`fuser.pipeline.pass_list`).
+    passes those its pass list has switched on, :mod:`fuser.pipeline.pass_list`). ``torch_only``:
+    the traced code calls torch alone (a pattern's reference), so no leaf functions are looked
+    for among the loaded modules and no node keeps its source line — the two cost more than
+    tracing a small function.
     """
     rewrites = REWRITES if rewrites is None else tuple(rewrites)
     example_inputs = tuple(example_inputs)
@@ -157,7 +161,9 @@ def trace(
     pristine = [copy_state(v) if n in call.states else v for n, v in zip(call.names, tensors)]
     leaves = list(leaves)
     modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
-    functions = [x for x in leaves if callable(x) and not isinstance(x, (type, torch.nn.Module))] + opaque_functions()
+    functions = [x for x in leaves if callable(x) and not isinstance(x, (type, torch.nn.Module))]
+    functions += [] if torch_only else opaque_functions()
+    compiled = [] if torch_only else compiled_functions()
     automatic: list[AutomaticLeaf] = []
     counters: set[tuple] = set()
     attributes = set(vars(module)) if isinstance(module, torch.nn.Module) else set()
@@ -172,8 +178,9 @@ def trace(
             leaf_functions=functions + [a.function for a in automatic if a.function is not None],
             counters=counters,
             leaf_modules=modules,
+            compiled_leaves=compiled,
         )
-        tracer.record_stack_traces = True  # each node's source line, for the report (refusal.source_of)
+        tracer.record_stack_traces = not torch_only  # each node's source line, for the report (refusal.source_of)
         # Tracing patches process-wide hooks (isinstance, Module.__setattr__, Triton's launcher):
         # one trace at a time, so concurrent apply() calls never see each other's patches.
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.fx as fx
@@ -211,6 +212,25 @@ def _tie_order(perm: torch.Tensor, keys: torch.Tensor, dim: int) -> torch.Tensor
 # so two threads must not run interpreted kernels at once (compiled GPU kernels may). Reentrant:
 # a fused forward may run inside another's (a model's, whose layers are fused) or inside validation.
 INTERPRETER_LOCK = threading.RLock()
+
+#: Kernels validated at once on a GPU (:func:`validate_all`).
+COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
+
+
+def validate_all(kernels: list[Kernel], values, cops) -> list[str | None]:
+    """:func:`validate` of each kernel, side by side on a GPU: most of a Triton compile (LLVM,
+    ptxas) runs outside the GIL, and a model's first fuse is mostly compiles. Each thread launches
+    on the caller's device and stream, with its inference mode."""
+    if len(kernels) < 2 or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_initialized():
+        return [validate(kernel, values, cops) for kernel in kernels]
+    device, stream, inference = torch.cuda.current_device(), torch.cuda.current_stream(), torch.is_inference_mode_enabled()
+
+    def one(kernel: Kernel) -> str | None:
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.inference_mode(inference):
+            return validate(kernel, values, cops)
+
+    with ThreadPoolExecutor(min(len(kernels), COMPILE_THREADS)) as pool:
+        return list(pool.map(one, kernels))
 
 
 def validate(kernel: Kernel, values, cops) -> str | None:

@@ -3,6 +3,7 @@
 import dataclasses
 import inspect
 import os
+import threading
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from helpers import spied_launches
 
 import fuser
 from examples.dsv4 import layer as dsv4
+from fuser.validate import against_eager
 from fuser.validate.tolerance import KERNEL, mismatch
 
 THIS_FILE = os.path.basename(__file__)
@@ -222,6 +224,30 @@ def test_apply_time_validation_rejects_a_wrong_kernel_and_does_not_splice_it():
         x = bf16(T, 64, seed=T)
         assert mismatch(m(x), eager(x), "output", KERNEL) is None
     assert calls and "rmsnorm_weightless" not in calls
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_kernels_are_validated_side_by_side_with_the_same_verdicts(monkeypatch):
+    """On a GPU the kernels of a module are validated in threads, so that their compiles overlap
+    (fuser.validate.against_eager.validate_all): the wrong kernel is still the one rejected."""
+    threads = set()
+    real = against_eager.validate
+
+    def validate(kernel, values, cops):
+        threads.add(threading.get_ident())
+        return real(kernel, values, cops)
+
+    monkeypatch.setattr(against_eager, "validate", validate)
+    with spied_launches(corrupt="rmsnorm_weightless"):
+        m = ScaledNorm()
+        report = fuser.apply(m, (bf16(5, 64).cuda(),))
+
+    rejected = [r.pattern for r in report.rejected if r.category == "validation"]
+    assert rejected == ["rmsnorm_weightless+generic", "rmsnorm_weightless"]
+    assert [c.pattern for c in report.chains] == ["generic"]
+    assert threads - {threading.get_ident()}  # the two parts ran in the pool's threads
+    x = bf16(7, 64, seed=7).cuda()
+    assert mismatch(m(x), eager(x), "output", KERNEL) is None
 
 
 def test_check_reports_a_wrong_kernel_when_validation_is_off():

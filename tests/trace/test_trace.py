@@ -298,6 +298,19 @@ def test_tracing_a_launch_leaves_triton_as_it_was():
     torch.testing.assert_close(add_one(x), x + 1)  # still launches outside tracing
 
 
+def test_a_torch_only_trace_looks_for_no_leaf_functions_and_keeps_no_source_lines():
+    """A pattern's reference is traced ``torch_only``: an @fuser.opaque function is not looked
+    for among the loaded modules (it is traced into), and no node keeps its line; the default
+    trace keeps the function one call and each node's line."""
+    default = trace(OpaqueLaunch(), (torch.randn(3, 8),))
+    assert [n.target for n in default.graph.nodes if n.op == "call_function"].count(add_one_opaque) == 1
+    assert any(n.stack_trace for n in default.graph.nodes)
+    plain = trace(OpaqueLaunch(), (torch.randn(3, 8),), torch_only=True)
+    targets = [n.target for n in plain.graph.nodes if n.op == "call_function"]
+    assert add_one_opaque not in targets and any(getattr(t, "__name__", "") == "launch__add_one_kernel" for t in targets)
+    assert not any(n.stack_trace for n in plain.graph.nodes)
+
+
 def test_opaque_function_with_a_launch_is_one_call_node_and_runs():
     m = OpaqueLaunch()
     traced = trace(m, (torch.randn(3, 8),))
