@@ -62,6 +62,7 @@ REPLAYS = 10  # replays traced for the busy time
 FUSER_VARIANTS = (
     ("fuser", {}),
     ("fuser -merge_projections", dict(disable_passes=("merge_projections",))),
+    ("fuser -pdl", dict(disable_passes=("pdl",))),
 )
 VARIANTS = ("eager", "compile") + tuple(name for name, _ in FUSER_VARIANTS)
 

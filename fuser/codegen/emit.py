@@ -42,6 +42,7 @@ class KernelSpec:
     sizes: dict[str, int] = field(default_factory=dict)
     program: RowProgram | None = None
     warps: int | None = None  # set by the launch-config tuner; else the table, else the heuristic
+    pdl: bool = False  # a row program launched with programmatic dependent launch (fuser.pipeline.passes.launch_pdl)
 
     @property
     def num_warps(self) -> int:
@@ -60,6 +61,12 @@ class KernelSpec:
             return False
         return lookup(self, current_gpu()) is None
 
+
+#: A kernel rendered for programmatic dependent launch (``KernelSpec.pdl``) is launched with it
+#: at this many rows or fewer: a decode step at batch 1 gains (Llama-3.2-1B: 1138 -> 1075 µs, the
+#: GPU's idle time 70 -> 9 µs), at batch 8 it loses (1169 -> 1189 µs, idle 73 -> 93), its
+#: early-launched programs waiting on SMs the kernel before still needs (benchmarks/results/README.md).
+PDL_ROWS = 1
 
 _ENV_LOCK = threading.Lock()
 _ENV: jinja2.Environment | None = None
@@ -110,6 +117,8 @@ def render(spec: KernelSpec, kernel_name: str) -> str:
         row_source=row_source(spec.inputs),
         row_count=row_count(spec.inputs),
         tl_dtype=TL_DTYPES,
+        pdl=spec.pdl,
+        pdl_rows=PDL_ROWS,
     )
     try:
         return template.render(**context)

@@ -204,6 +204,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("widen", planning_pass(passes.widen), "single unfused ops pulled into the kernel next to them"),
     Pass("merge", planning_pass(passes.merge), "a kernel with the kernel that reads it, then kernels reading one activation"),
     Pass("store_in_place", planning_pass(passes.store_in_place), "a kernel whose output is only copied into a slice writes it there"),
+    Pass("pdl", planning_pass(passes.launch_pdl), "row programs launched with programmatic dependent launch (compute capability 9.0+): each waits for the kernel before it, its launch overlapping that kernel's end"),
     Pass("validate", planning_pass(passes.validate), "every kernel against eager on one recorded run; a wrong one falls back"),
     Pass("place", planning_pass(passes.place), "the surviving kernels placed in the program again", required=True),
     Pass("precompute", precompute, "glue of parameters alone computed once, at apply time"),

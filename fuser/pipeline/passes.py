@@ -13,6 +13,7 @@ the passes before it made) and returns it:
 4. ``merge``: a kernel with the kernel that reads its outputs, then kernels that read the same
    activation, while the union lowers as one row program;
 5. ``store_in_place``: a kernel whose output is only copied into a slice writes it there;
+   then ``pdl``: each row program launched with programmatic dependent launch, on a GPU that has it;
 6. ``validate``: every kernel against eager on one recorded run (:mod:`fuser.validate.against_eager`); a
    merged kernel that disagrees falls back to its parts, any other one stays eager;
 7. ``place``: the surviving kernels placed in the program again.
@@ -23,7 +24,9 @@ pass makes a region; a region the next pass changes is lowered again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+
 import torch
 import torch.fx as fx
 
@@ -228,6 +231,38 @@ def store_in_place(p: Planning) -> Planning:
                 kernels[i] = storing
                 break
     return p
+
+
+def launch_pdl(p: Planning) -> Planning:
+    """Each row-program kernel launched with programmatic dependent launch where the module runs
+    on a GPU that has it (compute capability 9.0 and later; never in the interpreter): the GPU
+    may launch it while the kernel before it still runs, and its first instruction waits
+    (``gdc_wait``) until that kernel has finished and its writes are visible, so only the launch
+    and the wait overlap, never a read or a write. It then lets the next kernel launch at once
+    (``gdc_launch_dependents``), which waits the same way; a kernel launched without PDL (a
+    cuBLAS GEMM) waits for it as a stream always does. Inside a CUDA graph the dependency is an
+    edge of the graph."""
+    if not _has_pdl(p.traced):
+        return p
+    p.kernels = [_with_pdl(kernel) for kernel in p.kernels]
+    return p
+
+
+def _has_pdl(traced: Traced) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    devices = {v.device for v in traced.example_inputs if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
+    return bool(devices) and all(torch.cuda.get_device_capability(d) >= (9, 0) for d in devices)
+
+
+def _with_pdl(kernel: Kernel) -> Kernel:
+    """The kernel (and the parts it falls back to) rendered to launch with PDL, if a row program."""
+    spec = kernel.spec
+    if spec is None or spec.program is None or spec.pdl:
+        return kernel
+    spec = replace(spec, pdl=True)
+    path, launch = emit(spec)
+    return Kernel(kernel.region, path, launch, spec, [_with_pdl(part) for part in kernel.parts])
 
 
 def validate(p: Planning) -> Planning:

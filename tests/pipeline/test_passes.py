@@ -24,6 +24,7 @@ NAMES = [
     "widen",
     "merge",
     "store_in_place",
+    "pdl",
     "validate",
     "place",
     "precompute",
