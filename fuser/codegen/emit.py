@@ -63,8 +63,8 @@ class KernelSpec:
 
 
 #: A kernel rendered for programmatic dependent launch (``KernelSpec.pdl``) is launched with it
-#: at this many rows or fewer: a decode step at batch 1 gains (Llama-3.2-1B: 1138 -> 1075 µs, the
-#: GPU's idle time 70 -> 9 µs), at batch 8 it loses (1169 -> 1189 µs, idle 73 -> 93), its
+#: at this many rows or fewer: a decode step at batch 1 gains (Llama-3.2-1B: 1137 -> 1075 µs, the
+#: GPU's idle time 68 -> 8 µs); launched so at batch 8 it lost (1169 -> 1189 µs, idle 73 -> 93), its
 #: early-launched programs waiting on SMs the kernel before still needs (benchmarks/results/README.md).
 PDL_ROWS = 1
 

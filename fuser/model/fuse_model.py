@@ -9,8 +9,10 @@ own, and is checked against its eager forward on its own recorded inputs. The mo
 submodules that the forward calls (the final norm, the rotary embedding) are fused each on its
 own where that saves launches, and so is the forward of each module that holds a stack and
 of each above it (the glue around the layers: the positions, the causal mask, the LM head's),
-with its submodules as leaves; within each forward of those modules, a kernel of the layers'
-inputs alone runs once for all the layers given the same inputs (:mod:`fuser.install.once_per_forward`).
+with its submodules as leaves — but a submodule called again in the forward unlike its first
+call, which one plan of its own could not serve, is traced into its parent's forward. Within
+each forward of those modules, a kernel of the layers' inputs alone runs once for all the
+layers given the same inputs (:mod:`fuser.install.once_per_forward`).
 
 A structure that cannot be fused stays eager and is reported; the others are fused. A failure
 while installing restores every layer fused so far: the model is never left half-patched.
@@ -86,11 +88,15 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
             report.groups += groups
             _log_group(progress, group, groups, started)
         for name, module in others:
+            if id(module) in calls.varied:  # one plan would serve one of its calls: its parent's holds them all
+                report.skipped[name] = f"called again in one forward unlike its first call ({calls.varied[id(module)]}): traced into its parent's forward"
+                continue
             _fuse_other(name, module, calls.get(id(module)), options, report, fused, progress)
         batch = calls[id(layers[0][1])][0][0].shape[0]
         for name, module in parents:  # its own forward, with its layers and submodules as leaves
             call = calls.get(id(module))
-            own = dict(options, leaves=[*options.get("leaves", ()), *_children_called(module)],
+            children = [c for c in _children_called(module) if id(module.get_submodule(c)) not in calls.varied]
+            own = dict(options, leaves=[*options.get("leaves", ()), *children],
                        batch_inputs=_batch_inputs(module, *call[:2], batch=batch) if call else {})  # fmt: skip
             _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused, progress)
         if any(g.report.shared for g in report.groups if g.report):

@@ -235,7 +235,7 @@ def store_in_place(p: Planning) -> Planning:
 
 def launch_pdl(p: Planning) -> Planning:
     """Each row-program kernel launched with programmatic dependent launch where the module runs
-    on a GPU that has it (compute capability 9.0 and later; never in the interpreter): the GPU
+    on an NVIDIA GPU that has it (compute capability 9.0 and later; never in the interpreter): the GPU
     may launch it while the kernel before it still runs, and its first instruction waits
     (``gdc_wait``) until that kernel has finished and its writes are visible, so only the launch
     and the wait overlap, never a read or a write. It then lets the next kernel launch at once
@@ -249,7 +249,7 @@ def launch_pdl(p: Planning) -> Planning:
 
 
 def _has_pdl(traced: Traced) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:  # NVIDIA's griddepcontrol only
         return False
     devices = {v.device for v in traced.example_inputs if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
     return bool(devices) and all(torch.cuda.get_device_capability(d) >= (9, 0) for d in devices)

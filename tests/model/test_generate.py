@@ -88,6 +88,28 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
     assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
 
 
+def test_a_module_called_twice_a_forward_unlike_itself_is_traced_into_its_parent():
+    """DeepSeek-V4's model asks its rotary embedding for two layer types each forward; a plan of
+    the rotary's own would decline one of the two calls every step (and warn): it is traced into
+    the model's forward instead, whose plan fuses both calls."""
+    model = causal_lm("deepseek_v4", layers=2)
+    ids, mask = prompt(1)
+    eager = generate(model, ids, mask, "static")
+    report = fuser.apply(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(generate(model, ids, mask, "static"), eager)
+        assert torch.equal(generate(model, ids, mask, "static"), eager)
+    assert fuser_warnings(caught) == []
+    stats = fuser.stats(model)
+    assert "model.rotary_emb" not in stats, stats
+    assert "layer_type is 'compress', traced with 'main'" in report.skipped["model.rotary_emb"]
+    assert "traced into its parent's forward" in report.skipped["model.rotary_emb"]
+    parent = report.others["model.forward"]
+    assert parent.launches_after < parent.launches_before and "rotary_emb" in parent.text(), parent.text()
+    assert stats["model"]["fused"] and stats["model"]["declined"] == {f"input_ids dim 1 is {PROMPT}, traced with 1": 1}, stats["model"]  # the second prefill
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_dynamic_cache_whose_scores_are_glue_takes_the_fused_path_at_every_decode_step(batch):
     """DeepSeek-V4 attends with transformers' eager attention: the mask add, the sink's logit
