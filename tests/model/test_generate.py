@@ -88,12 +88,19 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
     assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
 
 
-def test_a_module_called_twice_a_forward_unlike_itself_is_traced_into_its_parent():
-    """DeepSeek-V4's model asks its rotary embedding for two layer types each forward; a plan of
-    the rotary's own would decline one of the two calls every step (and warn): it is traced into
-    the model's forward instead, whose plan fuses both calls."""
-    model = causal_lm("deepseek_v4", layers=2)
-    ids, mask = prompt(1)
+TWO_LAYER_TYPES = [  # (the model, its config's changes, the rotary's two layer types; Gemma3 asks them in a set's order)
+    ("deepseek_v4", {}, ("main", "compress")),
+    ("gemma3", dict(layer_types=["sliding_attention", "full_attention"]), ("sliding_attention", "full_attention")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,overrides,types", TWO_LAYER_TYPES, ids=[c[0] for c in TWO_LAYER_TYPES])
+def test_a_module_called_twice_a_forward_unlike_itself_is_traced_into_its_parent(name, overrides, types):
+    """DeepSeek-V4's and Gemma3's models ask their rotary embedding for two layer types each
+    forward; a plan of the rotary's own would decline one of the two calls every step (and
+    warn): it is traced into the model's forward instead, whose plan fuses both calls."""
+    model = causal_lm(name, layers=2, **overrides)
+    ids, mask = prompt(2)
     eager = generate(model, ids, mask, "static")
     report = fuser.apply(model)
     with warnings.catch_warnings(record=True) as caught:
@@ -103,8 +110,9 @@ def test_a_module_called_twice_a_forward_unlike_itself_is_traced_into_its_parent
     assert fuser_warnings(caught) == []
     stats = fuser.stats(model)
     assert "model.rotary_emb" not in stats, stats
-    assert "layer_type is 'compress', traced with 'main'" in report.skipped["model.rotary_emb"]
-    assert "traced into its parent's forward" in report.skipped["model.rotary_emb"]
+    skipped = report.skipped["model.rotary_emb"]
+    assert "layer_type is '" in skipped and all(f"'{t}'" in skipped for t in types), skipped
+    assert "traced into its parent's forward" in skipped
     parent = report.others["model.forward"]
     assert parent.launches_after < parent.launches_before and "rotary_emb" in parent.text(), parent.text()
     assert stats["model"]["fused"] and stats["model"]["declined"] == {f"input_ids dim 1 is {PROMPT}, traced with 1": 1}, stats["model"]  # the second prefill
