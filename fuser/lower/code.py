@@ -60,9 +60,11 @@ ONE_HOT_LIMIT = 1 << 16
 
 @dataclass
 class Segments:
-    """A value concatenated along its last axis: (column offset, expression, width, dtype) parts."""
+    """A value concatenated along one axis of its block (``axis``, counted from the end: the last
+    unless unit axes moved past it since): (offset, expression, width, dtype) parts."""
 
     parts: list[tuple[int, str, int, torch.dtype]]
+    axis: int = -1
 
 
 def shape_literal(dims: list[str], as_list: bool = False) -> str:

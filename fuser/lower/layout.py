@@ -215,17 +215,19 @@ def pairs_and_parts(lw, node: fx.Node, cop: COp):
             offset += width
         lw.names[node] = Segments(parts)
         return
-    if op == "reshape" and isinstance(src, Segments) and moves_unit_axes(lw, args[0], node):
+    if op == "reshape" and isinstance(src, Segments) and (axis := moved_concatenation_axis(lw, args[0], node)) is not None:
         # (``cat([nope, rope], -1).transpose(1, 2)`` with one token per head row): each part
         # moves the same way, so the concatenation is still stored part by part.
-        lead = lw.padded(node)[:-1]
-        lw.names[node] = Segments(
-            [(o, f"tl.reshape({e}, {lead + (pow2(w),)})", w, d) for o, e, w, d in src.parts]
-        )
+        dims = lw.dim_codes(node)  # a tiled axis as its tile's width, whichever the launch picks
+
+        def part_shape(width: int) -> str:
+            return shape_literal([str(pow2(width)) if i == len(dims) + axis else d for i, d in enumerate(dims)])
+
+        lw.names[node] = Segments([(o, f"tl.reshape({e}, {part_shape(w)})", w, d) for o, e, w, d in src.parts], axis)
         return
     if op == "cast" and isinstance(src, Segments):
         lw.names[node] = Segments(
-            [(o, rounded(rounded(e, torch.float32, d), value.dtype), w, value.dtype) for o, e, w, d in src.parts]
+            [(o, rounded(rounded(e, torch.float32, d), value.dtype), w, value.dtype) for o, e, w, d in src.parts], src.axis
         )
         return
     if value.dtype.is_complex and op in ("mul", "add", "sub", "neg"):
@@ -243,12 +245,24 @@ def pairs_and_parts(lw, node: fx.Node, cop: COp):
     raise LoweringError(f"`{node.name}`: no lowering for {op} on {value.dtype} / concatenated values")
 
 
-def moves_unit_axes(lw, src: fx.Node, node: fx.Node) -> bool:
-    """Is ``node`` ``src`` with only size-1 axes moved, added or dropped (the last axis kept)?"""
+def moved_concatenation_axis(lw, src: fx.Node, node: fx.Node) -> int | None:
+    """Where the concatenation axis of ``src`` (kept in parts: :class:`Segments`) lies in
+    ``node`` (counted from the end) when ``node`` is ``src`` with only size-1 axes moved, added or
+    dropped — the last axis too (``cat([rot, pass], -1).transpose(-1, -2)`` of one token a head:
+    the keys of a product); None otherwise. Row-major order is the same either way, so each
+    part moves as a register reshape."""
+    segments = lw.names.get(src)
     before, after = lw.block_shape(src), lw.block_shape(node)
-    if not before or not after or before[-1] != after[-1]:
-        return False
-    return [s for s in before if s != 1] == [s for s in after if s != 1]
+    if not isinstance(segments, Segments) or not before or not after:
+        return None
+    big_before = [i for i, s in enumerate(before) if s != 1]
+    big_after = [i for i, s in enumerate(after) if s != 1]
+    if [before[i] for i in big_before] != [after[i] for i in big_after]:
+        return None
+    axis = len(before) + segments.axis
+    if axis not in big_before:
+        return None
+    return big_after[big_before.index(axis)] - len(after)
 
 
 def slice_columns(lw, node: fx.Node, name: str, cop: COp):
@@ -301,6 +315,8 @@ def joined(lw, node: fx.Node) -> str:
     heads a program at 8 warps) compiled to 1424 SASS instructions a warp, 348 of them shared
     loads and stores, against 256 and none with the parts re-read (sm_90, ptxas); on an H200
     the one-hot kernel took 306 µs at T=512 for 28 MB."""
+    if lw.names[node].axis != -1:
+        raise LoweringError(f"`{node.name}`: a concatenation whose axis moved from last is read only by a cast, a move of unit axes or a store", node)
     parts = lw.names[node].parts
     shape = lw.padded(node)
     rank, last = len(shape), shape[-1]

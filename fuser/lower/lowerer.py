@@ -34,7 +34,7 @@ from fuser.lower.code import (
     without_node_echo,
 )  # fmt: skip
 from fuser.lower import normalizations  # noqa: F401 (each family module registers its lowerings when imported)
-from fuser.lower.layout import joined, moves_unit_axes, pairs_and_parts
+from fuser.lower.layout import joined, moved_concatenation_axis, pairs_and_parts
 from fuser.lower.memory import load, store, store_fresh
 from fuser.lower.reductions import contractions
 from fuser.lower.registry import lowering_for
@@ -280,7 +280,7 @@ class Lowerer:
             raise LoweringError(f"`{node.name}`: no row-program lowering for {op}")
         if op == "topk":  # a pair of values and indices, from a block never joined
             return lowering_for(entry)(self, node, cop)
-        keeps_parts = op == "cast" or (op == "reshape" and moves_unit_axes(self, args[0], node))
+        keeps_parts = op == "cast" or (op == "reshape" and moved_concatenation_axis(self, args[0], node) is not None)
         for arg in args:  # a concatenation read by anything but a cast, a store or a unit-axis move: one block
             if not keeps_parts and isinstance(arg, fx.Node) and isinstance(self.names.get(arg), Segments):
                 self.names[arg] = joined(self, arg)

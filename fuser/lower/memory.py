@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fuser.lower.code import Segments, expanded, pair_index, rounded
+from fuser.lower.code import LoweringError, Segments, expanded, pair_index, rounded
 from fuser.lower.row_program import Operand
 from fuser.lower.tiling import pow2
 
@@ -86,18 +86,23 @@ def store(lw, operand: Operand, node: fx.Node):
 
 
 def _store_segments(lw, operand: Operand, node: fx.Node, segments: "Segments"):
-    """A concatenation along the last axis: each part stored at its column offset."""
+    """A concatenation along one axis (the last, or where unit axes moved it): each part stored
+    at its offset along that axis."""
     rank = len(operand.shape)
+    along = rank + segments.axis
+    if lw.is_tiled(node, along):
+        raise LoweringError(f"`{node.name}`: a concatenation along its tiled axis")
+    others = [a for a in range(rank) if a != along]
     for offset, part, width, dtype in segments.parts:
         terms = [f"{operand.name}_ptr"] + ([f"row * {operand.name}_stride_row"] if operand.has_rows else [])
-        for axis in range(rank - 1):
+        for axis in others:
             terms.append(f"{lw.axis_index(node, axis, rank)} * {operand.name}_stride_{axis}")
-        cols = expanded(f"tl.arange(0, {pow2(width)})", rank - 1, rank)
-        terms.append(f"({cols} + {offset}) * {operand.name}_stride_{rank - 1}")
+        cols = expanded(f"tl.arange(0, {pow2(width)})", along, rank)
+        terms.append(f"({cols} + {offset}) * {operand.name}_stride_{along}")
         masks = [
-            f"({lw.axis_index(node, a, rank)} < {s})"
-            for a, s in enumerate(operand.shape[:-1])
-            if pow2(s) != s or lw.is_tiled(node, a)
+            f"({lw.axis_index(node, a, rank)} < {operand.shape[a]})"
+            for a in others
+            if pow2(operand.shape[a]) != operand.shape[a] or lw.is_tiled(node, a)
         ]  # fmt: skip
         if pow2(width) != width:
             masks.append(f"({cols} < {width})")

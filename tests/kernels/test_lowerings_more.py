@@ -254,6 +254,31 @@ def test_concatenation_of_five_computed_parts(width, heads, dtype):
     fused_matches(ManyParts(), make, ["cat", "neg", "exp"])
 
 
+class KeysForTheProduct(nn.Module):
+    """GPT-J's keys at its head dim: a rotary part computed over the first 64 of 256 dims,
+    joined to the rest, heads first, cast to fp32 and transposed for the scores' product —
+    the last axis swapped with the one token a head. Too wide to assemble in registers, the
+    concatenation is kept in parts through the cast and the transpose and stored part by part."""
+
+    def forward(self, key, sin, cos):
+        rot, rest = key[..., :64], key[..., 64:]
+        every_two = torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2)  # GPT-J's rotate_every_two
+        rot = rot * cos + every_two * sin  # a part computed, not read again
+        joined = torch.cat([rot, rest], dim=-1).permute(0, 2, 1, 3)  # [T, heads, 1, 256]
+        return joined.to(torch.float32).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [1, 5])
+def test_a_concatenation_moved_past_a_unit_axis_is_stored_in_parts(heads, dtype):
+    def make(T):
+        g = gen(T)
+        return randn(g, T, 1, heads, 256, dtype=dtype), randn(g, T, 1, 1, 64, dtype=dtype), randn(g, T, 1, 1, 64, dtype=dtype)
+
+    report = fused_matches(KeysForTheProduct(), make, ["cat", "transpose", "stack"])
+    assert len(report.chains) == 1, report.text()
+
+
 # --- per-head RMSNorm rounds where eager rounds ---------------------------------------------------
 class PerHeadRMSNorm(nn.Module):
     """transformers' Qwen3RMSNorm as q_norm over [T, 16, head_dim]: normalised in fp32, cast
