@@ -13,6 +13,9 @@ import torch.fx as fx
 
 from fuser.canon.canonicalize import COMPUTE, META, UNIT_VIEW, VIEW, COp
 
+#: The key of a kernel call's ``node.meta`` that holds its region.
+REGION_META = "fuser_region"
+
 
 def rewrite_graph(
     graph: fx.Graph,
@@ -70,6 +73,7 @@ def rewrite_graph(
                 targets = [new.call_function(operator.getitem, (env[s.args[0]], s.args[1])) for s in region.stores.values()]
                 call = new.call_function(launchers[i], tuple(env[a] for a in region.inputs) + tuple(targets))
                 call.name = f"fused_{region.pattern}_{i}"
+                call.meta[REGION_META] = region  # which outputs are fresh buffers (fuser.pipeline.residual_in_gemm)
                 for k, out in enumerate(region.outputs):
                     env[out] = new.call_function(operator.getitem, (call, k))
                 pending.remove((i, region))

@@ -170,6 +170,9 @@ class FuserState:
     snapshot: ModuleSnapshot | None = None
     calls: CallCounts = field(default_factory=CallCounts)
     merged: MergedWeights | None = None  # linear layers whose weights are merged (their parameters views)
+    # submodules whose work the fused graph does without calling them (a merged linear layer,
+    # one whose GEMM adds the residual): a forward hook put on one after apply would not run
+    bypassed: tuple[torch.nn.Module, ...] = ()
 
     def stale(self, module: torch.nn.Module) -> tuple[str | None, bool]:
         """(None, _) when what the fused graph fixed at apply time still holds; else (what
@@ -178,6 +181,8 @@ class FuserState:
             why = self.snapshot.differs(module)
             if why is not None:
                 return why, False
+        if self.bypassed and _hooked(self.bypassed):
+            return "a forward hook on a linear layer the fused graph runs inside another GEMM (merged or adding the residual)", False
         if self.merged is not None and not self.merged.current(module):
             return "linear layers' weights no longer fit the merged GEMM (or were replaced inside a CUDA-graph capture)", False
         if self.literals.values and not self.literals.current(module):
@@ -185,6 +190,14 @@ class FuserState:
         if self.precomputed is not None and not self.precomputed.current(module):
             return "parameters changed inside a CUDA-graph capture", True
         return None, False
+
+
+def _hooked(modules) -> bool:
+    """Is a forward hook (or pre-hook) on any of ``modules``, or on every module?"""
+    nn_module = torch.nn.modules.module
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in modules
+    )
 
 
 def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callable:
@@ -272,6 +285,7 @@ def install(
     precomputed: Precomputed | None = None,
     literals: dict[str, Any] | None = None,
     merged: MergedWeights | None = None,
+    bypassed: tuple[str, ...] = (),
 ) -> None:
     """Route ``module.forward`` through the guard to ``fused_forward`` (a function, or a method
     whose function is called with the module as ``self``).
@@ -281,7 +295,9 @@ def install(
     ``precomputed`` recomputes after those change. ``literals`` are the module's scalar
     attributes the fused graph holds as constants (dotted path -> value at apply time).
     ``merged`` concatenates the weights of linear layers the fused graph runs as one GEMM and
-    makes their parameters views of it (:mod:`fuser.install.merged_weights`).
+    makes their parameters views of it (:mod:`fuser.install.merged_weights`). ``bypassed``: the
+    submodules (qualified names) whose work the fused graph does without calling them; a call
+    made after a forward hook is put on one runs eager.
     Raises :class:`AlreadyFused` (leaving the module as it is) when it is fused already.
     """
     constants = constants or {}
@@ -297,7 +313,7 @@ def install(
             merged.merge(module)
         state = FuserState(
             module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {})),
-            ModuleSnapshot.of(module), merged=merged,
+            ModuleSnapshot.of(module), merged=merged, bypassed=tuple(module.get_submodule(name) for name in bypassed),
         )
         add_copy_hooks(module)
         object.__setattr__(module, STATE_ATTR, state)

@@ -56,6 +56,7 @@ class Report:
     sizes_near_literals: dict = field(default_factory=dict)  # input -> dims held only by a literal next to their size
     merged_projections: list[str] = field(default_factory=list)  # linear layers run as one GEMM ("a + b + c")
     projections_apart: dict = field(default_factory=dict)  # linear layers of one input left apart -> why
+    residuals_in_gemm: list[str] = field(default_factory=list)  # adds done by the GEMM before them ("add_5 + mlp.down_proj")
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -115,6 +116,9 @@ class Report:
         if self.projections_apart:
             lines += ["", "linear layers of one input left apart:"]
             lines += [f"  {names}: {why}" for names, why in self.projections_apart.items()]
+        if self.residuals_in_gemm:
+            lines += ["", "residuals added by the GEMM before them (addmm_ into the residual's buffer, beta = 1; no launch for the add): "
+                          + ", ".join(self.residuals_in_gemm)]
         if self.literals:
             values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
             lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]

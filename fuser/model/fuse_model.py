@@ -250,7 +250,8 @@ def _computed(precomputed, layer: nn.Module) -> tuple:
 
 
 def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, literals=None) -> None:
-    install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals, p.merged)
+    install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals, p.merged,
+            p.bypassed)  # fmt: skip
     fused.append(layer)
 
 

@@ -53,6 +53,7 @@ class Plan:
     precomputed: Precomputed | None = None  # how to recompute ``constants`` when their parameters change
     literals: dict = field(default_factory=dict)  # module scalar attribute (dotted path) -> value fused in
     merged: MergedWeights | None = None  # linear layers run as one GEMM on their weights merged at install
+    bypassed: tuple[str, ...] = ()  # submodules the fused graph runs the work of without calling them
 
 
 def plan(
@@ -100,12 +101,16 @@ def plan(
     report.free_sizes = {name: list(dims) for name, dims in f.free.items()}
     report.sizes_near_literals = {name: sorted(dims) for name, dims in f.near_literals.items()}
     report.merged_projections, report.projections_apart = list(f.merges), dict(f.merges_refused)
+    report.residuals_in_gemm = [f"{add} + {linear}" for add, linear in f.residuals_in_gemm]
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None
     p.literals = dict(report.literals)
     p.cops = cops
     p.merged = f.merged
+    p.bypassed = tuple(name for g in (f.merged.groups if f.merged else ()) for name in g.layers) + tuple(
+        linear for _, linear in f.residuals_in_gemm
+    )
     return p
 
 
@@ -251,7 +256,7 @@ def apply_plan(module: torch.nn.Module, example_inputs, **options) -> Plan:
             except Exception as e:
                 raise FuserError(f"fuser.apply left {name} unchanged: {e}") from e
         try:
-            install(module, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals, p.merged)
+            install(module, p.forward, p.guard, p.report, p.constants, p.precomputed, p.literals, p.merged, p.bypassed)
         except AlreadyFused as e:
             raise FuserError(str(e)) from e
     return p

@@ -36,6 +36,7 @@ from fuser.install.leaf_sizes import fed_by_state, size_checked
 from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
 from fuser.pipeline.merged_projections import merge_projections
+from fuser.pipeline.residual_in_gemm import residuals_in_gemm
 from fuser.pipeline.passes import Planning, planning
 from fuser.trace import tracing
 from fuser.trace.tracing import Traced, trace
@@ -70,6 +71,7 @@ class Fusing:
     merged: MergedWeights | None = None  # merge_projections: the groups merged
     merges: list[str] = field(default_factory=list)  # merge_projections: each group merged, named
     merges_refused: dict[str, str] = field(default_factory=dict)  # merge_projections: group -> why not
+    residuals_in_gemm: list[tuple[str, str]] = field(default_factory=list)  # residual_in_gemm: (add, its linear) rewritten
     forward: Callable | None = None  # compile_forward
 
     @property
@@ -187,6 +189,12 @@ def merged_projection_groups(f: Fusing) -> None:
     f.merged, f.merges, f.merges_refused = merge_projections(f.graph, f.module, f.traced, f.cops, f.covered())
 
 
+def residual_adds_in_gemm(f: Fusing) -> None:
+    f.residuals_in_gemm = residuals_in_gemm(f.graph, f.module, f.traced, [k.region for k in f.shared])
+    added = {add for add, _ in f.residuals_in_gemm}
+    f.survivors = {n for n in f.survivors if n.name not in added}  # no launch of its own any more
+
+
 def compiled_forward(f: Fusing) -> None:
     f.forward = compile_forward(f.graph, f.module)
 
@@ -214,6 +222,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("install_copies", copies_installed, "the copy kernels put in the fused graph", off_with="copy_kernels"),
     Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),
     Pass("merge_projections", merged_projection_groups, "linear layers that read one input as one GEMM on their weights concatenated at apply time"),
+    Pass("residual_in_gemm", residual_adds_in_gemm, "a residual added to a linear layer's output, in a buffer nothing else reads, added by the GEMM itself (addmm_, beta = 1): no launch for the add"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip
 

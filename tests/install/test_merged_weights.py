@@ -169,3 +169,17 @@ def test_each_layer_of_a_model_merges_its_own_weights():
     for layer, m in zip(model.model.layers, merged):
         assert rows_of(m, layer.self_attn.v_proj.weight) and rows_of(layer.__dict__["_fuser_merged_mlp_gate_proj_weight"], layer.mlp.up_proj.weight)
     torch.testing.assert_close(logits(model, inputs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_hook_put_on_a_merged_layer_after_apply_runs_the_call_eager():
+    torch.manual_seed(0)
+    module = Attention()
+    x = torch.randn(5, HIDDEN)
+    eager = copy.deepcopy(module)
+    fuser.apply(module, (x,))
+    for m in (module, eager):
+        m.k_proj.register_forward_hook(lambda mod, args, out: out * 0.5)
+    with pytest.warns(UserWarning, match="forward hook"):
+        got = module(x)
+    torch.testing.assert_close(got, eager(x), atol=1e-5, rtol=1e-5)
+    assert module.__dict__["_fuser_state"].calls.fused == 0

@@ -34,6 +34,7 @@ NAMES = [
     "install_copies",
     "static_cache_write",
     "merge_projections",
+    "residual_in_gemm",
     "compile_forward",
 ]
 REQUIRED = ["trace", "canonicalize", "place", "rewrite_graph", "compile_forward"]
