@@ -33,8 +33,8 @@ from fuser.validate.against_eager import unordered_outputs
 def apply(module: torch.nn.Module, example_inputs=None, **options) -> Report:
     """Fuse ``module``'s glue in place. On any error the module is left exactly as it was.
 
-    With no example call, a model with a stack of repeated decoder layers (a transformers
-    CausalLM) is fused at its first decode call — one new token per sequence, as
+    With no example call, a model with a stack of decoder layers (a transformers CausalLM; one
+    layer is a stack too, a draft model's) is fused at its first decode call — one new token per sequence, as
     ``model.generate`` makes after the prompt — with that call as the example
     (:mod:`fuser.model.lazy_model`); the report returned is filled in then.
 

@@ -1,6 +1,7 @@
 """layer_stacks: which module lists of a model are stacks of decoder layers — found by what they
-do, not by their look. A candidate is a ``ModuleList`` of two or more modules of one class
-(:func:`layer_stacks`); it is a stack of layers when, in one real forward, each of its modules
+do, not by their look. A candidate is a ``ModuleList`` of two or more modules of one class, or
+of one module that holds a linear layer (a model of one decoder layer: a draft model, a
+multi-token-prediction head; a per-head norm holds none) (:func:`layer_stacks`); it is a stack of layers when, in one real forward, each of its modules
 is called with hidden states and returns a tensor of their shape, and each passes its output to
 the next (:func:`decoder_stacks`). A list of experts (each given its own tokens) or of per-head
 norms (each given its own head: StableLM's ``qk_layernorm``) is not; nor is a list inside a
@@ -15,11 +16,16 @@ from fuser.model.recording import is_layer_call
 
 
 def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """Module lists of two or more modules of one class: the candidates."""
+    """Module lists of two or more modules of one class, or of one holding a linear layer: the
+    candidates."""
     return [
         (name, m) for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
+        if isinstance(m, nn.ModuleList) and (len(m) >= 2 and len({type(c) for c in m}) == 1 or len(m) == 1 and _has_linear(m[0]))
     ]  # fmt: skip
+
+
+def _has_linear(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) for m in module.modules())
 
 
 def decoder_stacks(candidates: list[tuple[str, nn.ModuleList]], calls: dict) -> list[tuple[str, nn.ModuleList]]:

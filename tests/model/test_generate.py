@@ -238,6 +238,24 @@ def test_a_copy_fuses_itself_and_a_pickle_is_the_eager_model():
 def test_apply_with_no_example_needs_a_stack_of_layers():
     with pytest.raises(fuser.FuserError, match="no stack of repeated layers"):
         fuser.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(fuser.FuserError, match="no stack of repeated layers"):  # a list of one norm is no stack
+        fuser.apply(torch.nn.ModuleList([torch.nn.RMSNorm(4)]))
+
+
+@pytest.mark.parametrize("name,cache", [("llama", "dynamic"), ("qwen3", "static")])
+def test_a_model_of_one_decoder_layer_is_fused_at_its_first_decode_call(name, cache):
+    """A draft model, a multi-token-prediction head: one layer in its list is a stack too."""
+    model = causal_lm(name, layers=1)
+    ids, mask = prompt(2)
+    eager = generate(model, ids, mask, cache)
+    report = fuser.apply(model)
+    assert torch.equal(generate(model, ids, mask, cache), eager)
+    ((group_layers,),) = [g.layers for g in report.groups]
+    assert group_layers == "model.layers.0" and report.groups[0].report is not None, report.text()
+    before = layer_calls(model)
+    assert torch.equal(generate(model, ids, mask, cache), eager)
+    (counts,) = layer_calls(model).values()
+    assert counts["fused"] - before["model.layers.0"]["fused"] == NEW - 1, counts
 
 
 def test_a_fused_model_runs_under_torch_compile():
