@@ -64,6 +64,7 @@ FUSER_VARIANTS = (
     ("fuser -merge_projections", dict(disable_passes=("merge_projections",))),
     ("fuser -pdl", dict(disable_passes=("pdl",))),
     ("fuser -residual_in_gemm", dict(disable_passes=("residual_in_gemm",))),
+    ("fuser -decode_gemm", dict(disable_passes=("decode_gemm",))),
 )
 VARIANTS = ("eager", "compile") + tuple(name for name, _ in FUSER_VARIANTS)
 

@@ -182,7 +182,7 @@ class FuserState:
             if why is not None:
                 return why, False
         if self.bypassed and _hooked(self.bypassed):
-            return "a forward hook on a linear layer the fused graph runs inside another GEMM (merged or adding the residual)", False
+            return "a forward hook on a linear layer the fused graph runs without calling it (merged, adding the residual, or on the decode GEMM kernel)", False
         if self.merged is not None and not self.merged.current(module):
             return "linear layers' weights no longer fit the merged GEMM (or were replaced inside a CUDA-graph capture)", False
         if self.literals.values and not self.literals.current(module):

@@ -57,6 +57,7 @@ class Report:
     merged_projections: list[str] = field(default_factory=list)  # linear layers run as one GEMM ("a + b + c")
     projections_apart: dict = field(default_factory=dict)  # linear layers of one input left apart -> why
     residuals_in_gemm: list[str] = field(default_factory=list)  # adds done by the GEMM before them ("add_5 + mlp.down_proj")
+    decode_gemms: list[str] = field(default_factory=list)  # GEMMs on fuser's decode GEMM kernel (fuser.install.decode_gemm)
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -119,6 +120,9 @@ class Report:
         if self.residuals_in_gemm:
             lines += ["", "residuals added by the GEMM before them (addmm_ into the residual's buffer, beta = 1; no launch for the add): "
                           + ", ".join(self.residuals_in_gemm)]
+        if self.decode_gemms:
+            lines += ["", "GEMMs on fuser's decode GEMM kernel (this GPU's decode-GEMM table; PyTorch's at more tokens):"]
+            lines += [f"  {line}" for line in self.decode_gemms]
         if self.literals:
             values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
             lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]

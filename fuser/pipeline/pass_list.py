@@ -37,6 +37,7 @@ from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
 from fuser.pipeline.merged_projections import merge_projections
 from fuser.pipeline.residual_in_gemm import residuals_in_gemm
+from fuser.pipeline.decode_gemms import decode_gemms
 from fuser.pipeline.passes import Planning, planning
 from fuser.trace import tracing
 from fuser.trace.tracing import Traced, trace
@@ -72,6 +73,8 @@ class Fusing:
     merges: list[str] = field(default_factory=list)  # merge_projections: each group merged, named
     merges_refused: dict[str, str] = field(default_factory=dict)  # merge_projections: group -> why not
     residuals_in_gemm: list[tuple[str, str]] = field(default_factory=list)  # residual_in_gemm: (add, its linear) rewritten
+    decode_gemms: list[tuple[str, str]] = field(default_factory=list)  # decode_gemm: (GEMM, its shape and token counts) rewritten
+    uncalled: list[str] = field(default_factory=list)  # decode_gemm: linear layers no longer called as modules
     forward: Callable | None = None  # compile_forward
 
     @property
@@ -195,6 +198,10 @@ def residual_adds_in_gemm(f: Fusing) -> None:
     f.survivors = {n for n in f.survivors if n.name not in added}  # no launch of its own any more
 
 
+def decode_gemm_kernels(f: Fusing) -> None:
+    f.decode_gemms, f.uncalled = decode_gemms(f.graph, f.module, f.merged)
+
+
 def compiled_forward(f: Fusing) -> None:
     f.forward = compile_forward(f.graph, f.module)
 
@@ -223,6 +230,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),
     Pass("merge_projections", merged_projection_groups, "linear layers that read one input as one GEMM on their weights concatenated at apply time"),
     Pass("residual_in_gemm", residual_adds_in_gemm, "a residual added to a linear layer's output, in a buffer nothing else reads, added by the GEMM itself (addmm_, beta = 1): no launch for the add"),
+    Pass("decode_gemm", decode_gemm_kernels, "linear layers whose weight shape this GPU's decode-GEMM table holds run on fuser's GEMM kernel at decode sizes (none without a table)"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip
 

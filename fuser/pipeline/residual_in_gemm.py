@@ -65,12 +65,12 @@ def _residual_and_linear(add: fx.Node, module: nn.Module, shared: list) -> tuple
     if not is_add or len(add.args) != 2 or add.kwargs or not all(isinstance(a, fx.Node) for a in add.args):
         return None
     for linear, residual in (add.args, add.args[::-1]):
-        if _plain_linear(linear, module) and set(linear.users) == {add} and _fresh(residual, shared) and set(residual.users) == {add}:
+        if plain_linear(linear, module) and set(linear.users) == {add} and _fresh(residual, shared) and set(residual.users) == {add}:
             return residual, linear
     return None
 
 
-def _plain_linear(node: fx.Node, module: nn.Module) -> bool:
+def plain_linear(node: fx.Node, module: nn.Module) -> bool:
     if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
         return False
     layer = module.get_submodule(node.target)

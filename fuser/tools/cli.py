@@ -290,8 +290,10 @@ def cmd_tune(args) -> int:
         raise UsageError("tune times kernels on a CUDA GPU and there is none here")
     if args.lone_ops:
         return _tune_lone_ops(args)
+    if args.decode_gemm:
+        return _tune_decode_gemm(args)
     if not args.target:
-        raise UsageError("tune needs FILE.py:FACTORY (or --lone-ops, which times ops alone and needs none)")
+        raise UsageError("tune needs FILE.py:FACTORY (or --lone-ops or --decode-gemm, which time ops alone and need none)")
     from fuser.tools import bench
     from fuser.codegen.launch_config import TABLE_DIR, current_gpu
     from fuser.tools.tune import tune, write_table
@@ -306,6 +308,33 @@ def cmd_tune(args) -> int:
         _say(args, json.dumps({"table": str(path), "gpu": current_gpu(), **about, "entries": entries}, indent=2, default=str))
         return OK
     _say(args, f"wrote {path}: {len(entries)} kernels; the heuristic is within 10% of the best on {len(entries) - len(slow)}")
+    if args.out:
+        _say(args, f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
+    return OK
+
+
+def _tune_decode_gemm(args) -> int:
+    """``fuser tune --decode-gemm``: the decode-GEMM table of this GPU (fuser.tools.tune_decode_gemm)."""
+    if args.target:
+        raise UsageError("tune --decode-gemm times GEMMs alone; it takes no FILE.py:FACTORY")
+    from fuser.tools import bench
+    from fuser.codegen.launch_config import TABLE_DIR, current_gpu
+    from fuser.tools import tune_decode_gemm as gemm
+
+    try:
+        shapes = gemm.shapes_of(args.shapes) if args.shapes else gemm.STANDARD_SHAPES
+        dtypes = tuple(t.strip() for t in args.dtypes.split(",") if t.strip()) if args.dtypes else ("bfloat16",)
+        tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else gemm.DECODE_TOKENS
+        entries = gemm.measure_all(shapes, dtypes, tokens, log=lambda line: _say(args, line) if not args.json else None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    about = {**bench.stamp(), "tokens": list(tokens)}
+    path = gemm.write_table(entries, Path(args.out) if args.out else TABLE_DIR, current_gpu(), about)
+    if args.json:
+        _say(args, json.dumps({"table": str(path), "gpu": current_gpu(), **about, "entries": entries}, indent=2, default=str))
+        return OK
+    taken = sum(e["up_to"] > 0 for e in entries)
+    _say(args, f"wrote {path}: {len(entries)} GEMM shapes, {taken} faster on fuser's kernel at one token or more")
     if args.out:
         _say(args, f"fuser reads it with FUSER_LAUNCH_CONFIGS={Path(args.out).resolve()}")
     return OK
@@ -404,9 +433,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", help=f"token counts to time at, comma-separated (default: {TUNE_TOKENS}; with --lone-ops 1,2,4,8,16)")
     p.add_argument("--lone-ops", action="store_true", help="time ops alone (LayerNorm, GELU, softmax, ...) against PyTorch's "
                    "and write <GPU>-lone_ops.json, which decides whether a lone op gets a kernel of its own")
+    p.add_argument("--decode-gemm", action="store_true", help="time fuser's decode GEMM kernel against PyTorch's GEMM per "
+                   "weight shape and write <GPU>-decode_gemm.json, which decides where linear layers run on it")
+    p.add_argument("--shapes", help="with --decode-gemm: weight shapes NxK, comma-separated (default: Llama-3.2-1B's and Qwen3-8B's)")
     p.add_argument("--ops", help="with --lone-ops: op kinds, comma-separated (default: the standard set)")
     p.add_argument("--widths", help="with --lone-ops: row widths, comma-separated (default: 64 to 8192)")
-    p.add_argument("--dtypes", help="with --lone-ops: dtypes, comma-separated (default: each op's)")
+    p.add_argument("--dtypes", help="with --lone-ops or --decode-gemm: dtypes, comma-separated (default: each op's; bfloat16)")
     p.add_argument("--out", metavar="DIR", help="directory of the table (default: fuser's own launch_configs/)")
     p.add_argument("--json", action="store_true", help="print the table written and its entries as JSON")
     p = command("test-pattern", cmd_test_pattern, "golden-test a pattern file on its own; exit 1 on mismatch, 2 if invalid")

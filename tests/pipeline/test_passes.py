@@ -35,6 +35,7 @@ NAMES = [
     "static_cache_write",
     "merge_projections",
     "residual_in_gemm",
+    "decode_gemm",
     "compile_forward",
 ]
 REQUIRED = ["trace", "canonicalize", "place", "rewrite_graph", "compile_forward"]

@@ -1,0 +1,180 @@
+"""decode_gemm: ``F.linear(x, weight)`` at decode sizes (a few token rows) by fuser's own kernel,
+where a table measured offline on this GPU says it is faster than PyTorch's (cuBLAS).
+
+At one to sixteen tokens a linear layer is a GEMV: it reads its weight once, and its time is
+that read plus the launch. The kernel gives each program ``block_n`` output columns and walks
+the whole reduction (its width a constant of the kernel: one binary per weight shape): ``block_n`` rows of the weight, read once, against every token row (one
+row: products summed on the CUDA cores; up to 16: one ``tl.dot`` a step, the rows padded to 16,
+in tf32, in which bf16 and fp16 values are exact),
+accumulated in fp32 and rounded once, as cuBLAS does. Where a residual is given the sum is
+added before that rounding (the residual add's epilogue: :mod:`fuser.pipeline.residual_in_gemm`).
+
+The table (``<GPU>-decode_gemm.json``, written by ``fuser tune --decode-gemm``,
+:mod:`fuser.tools.tune_decode_gemm`; ``$FUSER_DECODE_GEMM_TABLE`` names one file to read instead,
+on any device) has one entry per weight shape and dtype: the best of the configurations timed,
+its time and PyTorch's at each decode token count (each replayed in a CUDA graph), and
+``up_to``, the largest token count up to which the kernel was the faster at every count. A
+linear layer whose shape has no entry, or a call with more rows than ``up_to``, runs
+``F.linear``: the default is PyTorch's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fuser.codegen.emit import forbid_compile_during_capture
+from fuser.codegen.fast_launch import fast
+from fuser.ir.device_tables import current_gpu, table_dirs
+
+#: The environment variable naming one decode-GEMM table file, read instead of the GPU's own.
+TABLE_ENV = "FUSER_DECODE_GEMM_TABLE"
+#: A GPU's table file name in the launch-table directories.
+TABLE_SUFFIX = "-decode_gemm.json"
+#: The most token rows the kernel takes (one ``tl.dot`` of 16 rows).
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Config:
+    """How the kernel is launched for one weight shape, and up to how many rows it is used."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    up_to: int
+
+
+@triton.jit
+def _decode_gemm(
+    x_ptr, w_ptr, r_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok, row_ok = cols < N, rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w, x = w.to(tl.float32), x.to(tl.float32)
+        if BLOCK_M == 1:
+            acc += tl.expand_dims(tl.sum(w * x, axis=1), 0)
+        elif IEEE:  # fp32 values: tf32 would round them
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:  # bf16 and fp16 values are exact in tf32
+            acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+    out = rows[:, None] * stride_ym + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+forbid_compile_during_capture(_decode_gemm, Path(__file__))  # warm-ups at each shape compile it first
+_launch = fast(_decode_gemm)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, config: Config | None) -> bool:
+    """Does the kernel take ``F.linear(x, weight)`` under ``config`` (else PyTorch's runs)?"""
+    if config is None or x.dim() == 0 or x.dtype != weight.dtype or weight.dim() != 2 or weight.stride(-1) != 1:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 0 < rows <= config.up_to and x.shape[-1] == weight.shape[1] and x.device == weight.device
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (plus ``residual``, of the output's shape, where given): by the
+    kernel where :func:`takes` says so, by PyTorch otherwise."""
+    if not takes(x, weight, config) or (residual is not None and tuple(residual.shape) != (*x.shape[:-1], weight.shape[0])):
+        out = F.linear(x, weight)
+        return out if residual is None else residual + out
+    n, k = weight.shape
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    r = residual.reshape(rows, n) if residual is not None else out
+    _launch[(triton.cdiv(n, config.block_n),)](
+        flat, weight, r, out, rows, n, flat.stride(0), weight.stride(0), r.stride(0), out.stride(0),
+        K=k, BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        ACCUMULATE=residual is not None, IEEE=x.dtype == torch.float32, num_warps=config.warps,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+# --- the table -----------------------------------------------------------------------------------
+class DecodeGemmTableError(ValueError):
+    """A decode-GEMM table that cannot be read; names the file and what is wrong."""
+
+
+def table_path() -> Path | None:
+    """The table file read: ``$FUSER_DECODE_GEMM_TABLE``, else this GPU's in the table directories."""
+    named = os.environ.get(TABLE_ENV)
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise DecodeGemmTableError(f"{TABLE_ENV} names {path}, which is not a file")
+        return path
+    gpu = current_gpu()
+    if gpu is None:
+        return None
+    return next((d / f"{gpu}{TABLE_SUFFIX}" for d in table_dirs() if (d / f"{gpu}{TABLE_SUFFIX}").is_file()), None)
+
+
+def config_for(n: int, k: int, dtype: torch.dtype) -> Config | None:
+    """The kernel's configuration for a weight of ``n`` rows of ``k``, where the table says the
+    kernel is the faster at one token or more; None: PyTorch's GEMM."""
+    path = table_path()
+    if path is None:
+        return None
+    return _read(str(path), path.stat().st_mtime_ns).get((n, k, str(dtype).removeprefix("torch.")))
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, mtime_ns: int) -> dict:
+    where = f"decode-GEMM table {path}"
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DecodeGemmTableError(f"{where}: {e}") from None
+    entries = table.get("entries") if isinstance(table, dict) else None
+    if not isinstance(entries, list):
+        raise DecodeGemmTableError(f'{where}: no "entries" list')
+    found = {}
+    for i, entry in enumerate(entries):
+        try:
+            key = (int(entry["n"]), int(entry["k"]), str(entry["dtype"]))
+            c = entry["config"]
+            config = Config(int(c["block_n"]), int(c["block_k"]), int(c["warps"]), int(entry["up_to"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DecodeGemmTableError(
+                f'{where}: entry {i} needs "n", "k", "dtype", "up_to" and a "config" of "block_n", "block_k" and '
+                f'"warps"; has {entry!r} ({type(e).__name__}: {e})'
+            ) from None
+        if config.block_n < 16 or config.block_k < 16 or config.warps < 1:
+            raise DecodeGemmTableError(f"{where}: entry {i}: block_n and block_k of 16 or more (tl.dot's least), warps 1 or more; has {c!r}")
+        if config.up_to > 0:
+            found[key] = Config(config.block_n, config.block_k, config.warps, min(config.up_to, MAX_ROWS))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(config: Config):
+    """``F.linear`` (plus a residual) by the kernel under ``config``: what a fused graph calls."""
+
+    def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, weight, config, residual)
+
+    return decode_linear

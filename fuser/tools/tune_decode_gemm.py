@@ -1,0 +1,117 @@
+"""tune_decode_gemm: time PyTorch's GEMM (cuBLAS) against fuser's decode GEMM kernel for each
+weight shape at decode token counts, on this GPU, and write the decode-GEMM table
+:mod:`fuser.install.decode_gemm` reads.
+
+    fuser tune --decode-gemm [--shapes 2048x8192,3072x2048] [--dtypes bfloat16] [--tokens 1,2,4,8,16] [--out DIR]
+
+For each shape (``N x K``: a weight of N rows of K) and dtype, every configuration of
+:data:`CONFIGS` is checked against ``F.linear`` at the largest token count (a configuration that
+disagrees is not timed) and timed at each token count, as is ``F.linear``, each as back-to-back
+launches replayed from a CUDA graph (:func:`fuser.tools.tune.time_launches_us`). The entry keeps
+the configuration of the least mean time, both times per token count, and ``up_to``: the
+largest token count up to which the kernel was the faster at every count (0: never). The table
+(``<GPU>-decode_gemm.json``) is merged into ``DIR`` (default: fuser's
+``fuser/codegen/launch_configs/``): an entry of the same shape and dtype is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fuser.install import decode_gemm
+from fuser.install.decode_gemm import Config
+
+#: The linear layers of the benchmarked models, merged as fuser merges them: ``(N, K)``.
+STANDARD_SHAPES = (
+    (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),  # Llama-3.2-1B: qkv, o, gate+up, down, head
+    (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),  # Qwen3-8B
+)  # fmt: skip
+CONFIGS = tuple(Config(bn, bk, warps, decode_gemm.MAX_ROWS) for bn in (16, 32, 64) for bk in (128, 256) for warps in (4, 8))
+DECODE_TOKENS = (1, 2, 4, 8, 16)
+#: A configuration whose output differs from ``F.linear``'s by more than this (relative to the
+#: output's largest magnitude) is wrong, not slow.
+AGREEMENT = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def up_to(torch_us: dict[int, float], fuser_us: dict[int, float]) -> int:
+    """The largest token count up to which the kernel is the faster at every count (0: none)."""
+    best = 0
+    for t in sorted(torch_us):
+        if fuser_us[t] >= torch_us[t]:
+            break
+        best = t
+    return best
+
+
+def measure(n: int, k: int, dtype: torch.dtype, tokens=DECODE_TOKENS, device="cuda", timer: Callable | None = None,
+            configs=CONFIGS) -> dict:  # fmt: skip
+    """The entry of one weight shape and dtype."""
+    if timer is None:
+        from fuser.tools.tune import time_launches_us as timer
+    g = torch.Generator(device).manual_seed(n + k)
+    weight = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
+    x = torch.randn(max(tokens), k, device=device, generator=g).to(dtype)
+    expected = F.linear(x, weight).float()
+    torch_us = {t: timer(F.linear, (x[:t], weight)) for t in tokens}
+    best, best_us, wrong = None, None, []
+    for config in configs:
+        got = decode_gemm.linear(x, weight, config).float()
+        if (got - expected).abs().max() > AGREEMENT[dtype] * expected.abs().max().clamp_min(1e-6):
+            wrong.append(config)
+            continue
+        us = {t: timer(decode_gemm.linear, (x[:t], weight, config)) for t in tokens}
+        if best_us is None or sum(us.values()) < sum(best_us.values()):
+            best, best_us = config, us
+    if best is None:
+        raise RuntimeError(f"decode GEMM {n}x{k} {dtype}: no configuration agrees with F.linear ({len(wrong)} tried)")
+    return dict(
+        n=n, k=k, dtype=str(dtype).removeprefix("torch."), up_to=up_to(torch_us, best_us),
+        config=dict(block_n=best.block_n, block_k=best.block_k, warps=best.warps),
+        torch_us={str(t): round(v, 3) for t, v in torch_us.items()}, fuser_us={str(t): round(v, 3) for t, v in best_us.items()},
+        disagreed=len(wrong),
+    )  # fmt: skip
+
+
+def measure_all(shapes=STANDARD_SHAPES, dtypes=("bfloat16",), tokens=DECODE_TOKENS, device="cuda", timer=None,
+                log: Callable = print) -> list[dict]:  # fmt: skip
+    entries = []
+    for name in dtypes:
+        dtype = getattr(torch, name, None)
+        if dtype not in AGREEMENT:
+            raise ValueError(f"no decode GEMM of dtype {name!r}; the dtypes are: {', '.join(str(d).removeprefix('torch.') for d in AGREEMENT)}")
+        for n, k in shapes:
+            entry = measure(n, k, dtype, tokens, device, timer)
+            entries.append(entry)
+            log(f"{n:>7}x{k:<6} {name:>9}: PyTorch {entry['torch_us']}, fuser {entry['fuser_us']} "
+                f"({entry['config']}) -> fuser's up to {entry['up_to']} tokens")  # fmt: skip
+    return entries
+
+
+def write_table(entries: list[dict], out_dir: Path, gpu: str, about: dict) -> Path:
+    """Merge ``entries`` into ``out_dir/<gpu>-decode_gemm.json`` (an entry of the same shape and
+    dtype is replaced), in order of dtype and shape."""
+    path = Path(out_dir) / f"{gpu}{decode_gemm.TABLE_SUFFIX}"
+    old = json.loads(path.read_text()) if path.exists() else {"entries": []}
+
+    def key(e):
+        return (e["dtype"], e["n"], e["k"])
+
+    fresh = {key(e) for e in entries}
+    merged = sorted([e for e in old["entries"] if key(e) not in fresh] + entries, key=key)
+    table = {**{k: v for k, v in old.items() if k != "entries"}, **about, "entries": merged}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
+
+
+def shapes_of(text: str) -> tuple[tuple[int, int], ...]:
+    """``"2048x8192,3072x2048"`` as ``((2048, 8192), (3072, 2048))``."""
+    try:
+        return tuple((int(n), int(k)) for n, k in (part.lower().split("x") for part in text.split(",") if part.strip()))
+    except ValueError:
+        raise ValueError(f"--shapes takes NxK pairs, comma-separated (2048x8192,3072x2048); got {text!r}") from None

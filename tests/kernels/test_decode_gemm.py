@@ -1,0 +1,116 @@
+"""fuser.install.decode_gemm: the decode GEMM kernel against a float64 reference of
+``F.linear`` (plus a residual) over odd and realistic shapes, token counts and each dtype, with
+per-dtype tolerances; the table it is chosen by, and bad tables named."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fuser.install import decode_gemm
+from fuser.install.decode_gemm import Config, DecodeGemmTableError, config_for, linear, takes
+
+# atol, rtol: fp32 accumulation in another order, then one rounding to the dtype
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}
+SHAPES = [(37, 100), (64, 256), (130, 33), (96, 512)]  # (out features, in features)
+
+
+def reference(x, w, residual=None):
+    out = x.double() @ w.double().T
+    return (out if residual is None else out + residual.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_the_kernel_is_the_linear_layer(dtype, n, k, rows, residual):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    r = torch.randn(rows, n, generator=g).to(dtype) if residual else None
+    config = Config(block_n=32, block_k=64, warps=4, up_to=16)
+    assert takes(x, w, config)
+    got = linear(x, w, config, r)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, reference(x, w, r), atol=atol, rtol=rtol)
+    assert got.dtype == dtype and got.shape == (rows, n)
+
+
+def test_leading_dims_and_a_strided_input_are_taken():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, 80, generator=g)[..., :48]  # rows of 80 elements, 48 read
+    w = torch.randn(40, 48, generator=g)
+    got = linear(x, w, Config(16, 16, 2, 16))
+    assert got.shape == (2, 1, 40)
+    torch.testing.assert_close(got, reference(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_more_rows_than_the_table_allows_run_pytorch_s(monkeypatch):
+    x, w = torch.randn(5, 32), torch.randn(16, 32)
+    config = Config(16, 16, 2, up_to=4)
+    assert not takes(x, w, config) and takes(x[:4], w, config)
+    assert not takes(x.to(torch.float16), w, config) and not takes(x, w, None)
+    launched = []
+    monkeypatch.setattr(decode_gemm, "_launch", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launched.append(grid)})())
+    torch.testing.assert_close(linear(x, w, config), F.linear(x, w))
+    assert launched == []
+
+
+def table(tmp_path, entries):
+    path = tmp_path / "decode_gemm.json"
+    path.write_text(json.dumps({"gpu": "test", "entries": entries}))
+    return path
+
+
+ENTRY = dict(n=64, k=256, dtype="bfloat16", up_to=8, config=dict(block_n=32, block_k=128, warps=4))
+
+
+def test_the_table_gives_a_config_per_shape_and_dtype(tmp_path, monkeypatch):
+    never = dict(ENTRY, n=128, up_to=0)  # measured, never the faster
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(table(tmp_path, [ENTRY, never])))
+    assert config_for(64, 256, torch.bfloat16) == Config(32, 128, 4, 8)
+    assert config_for(64, 256, torch.float16) is None and config_for(128, 256, torch.bfloat16) is None
+    monkeypatch.delenv(decode_gemm.TABLE_ENV)
+    assert config_for(64, 256, torch.bfloat16) is None  # no GPU here: no table
+
+
+@pytest.mark.parametrize(
+    "entries,says",
+    [
+        ({"entries": 3}, "no \"entries\" list"),
+        ([dict(ENTRY, config=dict(block_n=32))], "entry 0 needs"),
+        ([dict(ENTRY, config=dict(block_n=8, block_k=128, warps=4))], "block_n and block_k of 16 or more"),
+    ],
+)
+def test_a_bad_table_is_named_with_what_is_wrong(tmp_path, monkeypatch, entries, says):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(entries if isinstance(entries, dict) else {"entries": entries}))
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(path))
+    with pytest.raises(DecodeGemmTableError, match=str(path)) as e:
+        config_for(64, 256, torch.bfloat16)
+    assert says in str(e.value)
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(DecodeGemmTableError, match="not a file"):
+        config_for(64, 256, torch.bfloat16)
+
+
+# --- on the GPU: compiled Triton, its fast launcher, the models' shapes ------------------------------
+GPU_SHAPES = [(3072, 2048), (2048, 8192), (4096, 4096), (1000, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_compiled_kernel_is_the_linear_layer(dtype, n, k, rows):
+    g = torch.Generator("cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    r = torch.randn(rows, n, device="cuda", generator=g).to(dtype)
+    atol, rtol = TOLERANCES[dtype]
+    for config in (Config(16, 128, 4, 16), Config(64, 256, 8, 16)):
+        for _ in range(2):  # Triton's dispatch, then the binary's own launcher
+            torch.testing.assert_close(linear(x, w, config), reference(x, w), atol=atol, rtol=rtol)
+            torch.testing.assert_close(linear(x, w, config, r), reference(x, w, r), atol=atol, rtol=rtol)

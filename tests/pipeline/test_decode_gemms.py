@@ -1,0 +1,79 @@
+"""fuser.pipeline.decode_gemms: with a decode-GEMM table that holds a model's weight shapes, its
+layers' GEMMs (merged projections, and the one that adds the residual) run on fuser's decode
+GEMM kernel, and greedy decode gives eager's logits; without a table nothing changes."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import fuser
+from fuser.install import decode_gemm
+from fuser.install.splice import STATE_ATTR
+from fuser.validate.tolerance import LAYER, mismatch
+from tests.model.test_decode import PROMPT, greedy, prefilled, step
+from tests.model.test_model import causal_lm
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def shapes(layer) -> set[tuple[int, int]]:
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    found = {tuple(m.weight.shape) for m in linears}
+    attn, mlp = layer.self_attn, layer.mlp
+    found.add((attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features, attn.q_proj.in_features))
+    found.add((mlp.gate_proj.out_features + mlp.up_proj.out_features, mlp.gate_proj.in_features))
+    return found
+
+
+def write_table(tmp_path, found, up_to=16) -> str:
+    entries = [dict(n=n, k=k, dtype="float32", up_to=up_to, config=dict(block_n=16, block_k=32, warps=2)) for n, k in sorted(found)]
+    path = tmp_path / "decode_gemm.json"
+    path.write_text(json.dumps({"gpu": "test", "entries": entries}))
+    return str(path)
+
+
+def test_a_model_s_gemms_run_on_the_kernel_and_decode_as_eager(tmp_path, monkeypatch):
+    model = causal_lm("llama", layers=2)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0])))
+    launches = []
+    real = decode_gemm.linear
+    monkeypatch.setattr(decode_gemm, "linear", lambda *a, **k: launches.append(a[2]) or real(*a, **k))
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    said = group.report.decode_gemms
+    assert [s.split(":")[0] for s in said] == ["merged_self_attn_q_proj", "self_attn.o_proj", "merged_mlp_gate_proj",
+                                               "mlp.down_proj (adding the residual)"], group.report.text()  # fmt: skip
+    assert "GEMMs on fuser's decode GEMM kernel" in report.text()
+
+    launches.clear()
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fused = greedy(model, copy.deepcopy(cache), tokens)
+    assert len(launches) == 4 * 2 * len(fused), "four GEMMs a layer, two layers, each step"
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda m, a, out: out)
+    greedy(model, copy.deepcopy(cache), tokens)
+    declined = model.model.layers[0].__dict__[STATE_ATTR].calls.declined
+    assert any("forward hook" in reason for reason in declined), declined
+
+
+def test_without_a_table_or_with_none_faster_nothing_changes(tmp_path, monkeypatch):
+    model = causal_lm("llama", layers=2)
+    cache, tokens = prefilled(model)
+    monkeypatch.delenv(decode_gemm.TABLE_ENV, raising=False)
+    first = fuser.apply(copy.deepcopy(model), (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    assert first.groups[0].report.decode_gemms == []
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0]), up_to=0))
+    second = fuser.apply(copy.deepcopy(model), (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    assert second.groups[0].report.decode_gemms == []
