@@ -51,7 +51,7 @@ def _linear(module: nn.Module, node: fx.Node) -> nn.Linear | None:
     if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
         return None
     sub = module.get_submodule(node.target)
-    return sub if type(sub) is nn.Linear else None
+    return sub if type(sub) is nn.Linear and "forward" not in sub.__dict__ else None  # (an instance forward: a wrapper's)
 
 
 def _candidates(graph: fx.Graph, module: nn.Module) -> list[list[fx.Node]]:

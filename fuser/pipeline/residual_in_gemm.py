@@ -11,7 +11,7 @@ for the add, the residual read once by the GEMM's epilogue. The result is the sa
 once where eager rounds the product and then the sum.
 
 Only exactly ``torch.nn.Linear`` (not a subclass: a quantised linear is one) without a bias,
-without hooks, its output read by the add alone, with the residual, the product and the weight
+without hooks or a forward of its own set on the instance, its output read by the add alone, with the residual, the product and the weight
 of one dtype and the sum of the product's shape (no broadcasting). The weight is read from the
 module at each call, so a weight loaded or updated after apply is used.
 """
@@ -76,7 +76,8 @@ def plain_linear(node: fx.Node, module: nn.Module) -> bool:
     layer = module.get_submodule(node.target)
     hooks = (layer._forward_hooks, layer._forward_pre_hooks, nn.modules.module._global_forward_hooks,
              nn.modules.module._global_forward_pre_hooks)  # fmt: skip
-    return type(layer) is nn.Linear and layer.bias is None and not any(hooks)
+    # (a forward set on the instance, an offloading wrapper's, runs only when the module is called)
+    return type(layer) is nn.Linear and "forward" not in layer.__dict__ and layer.bias is None and not any(hooks)
 
 
 def _fresh(node: fx.Node, shared: list) -> bool:

@@ -183,3 +183,14 @@ def test_a_hook_put_on_a_merged_layer_after_apply_runs_the_call_eager():
         got = module(x)
     torch.testing.assert_close(got, eager(x), atol=1e-5, rtol=1e-5)
     assert module.__dict__["_fuser_state"].calls.fused == 0
+
+
+def test_a_layer_with_a_forward_of_its_own_is_not_merged():
+    """A forward set on the instance (an offloading wrapper's) runs only when the layer is called."""
+    torch.manual_seed(0)
+    module = Attention()
+    inner = module.k_proj.forward
+    module.k_proj.forward = lambda h: inner(h) * 0.5
+    result = fuser.check(module, (torch.randn(5, HIDDEN),))
+    assert result.ok, result.text()
+    assert all("k_proj" not in group for group in result.report.merged_projections), result.report.text()

@@ -103,6 +103,14 @@ def hooked():
     return block
 
 
+def wrapped():
+    """A forward set on the instance (an offloading wrapper's): only a module call runs it."""
+    block = Block()
+    inner = block.proj.forward
+    block.proj.forward = lambda x: inner(x) * 2.0
+    return block
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -111,6 +119,7 @@ def hooked():
         pytest.param(lambda: OnInput(), id="the residual an input"),
         pytest.param(lambda: Block(proj_dtype=torch.bfloat16), id="another dtype"),
         pytest.param(hooked, id="a hook on the linear"),
+        pytest.param(wrapped, id="a forward of the linear's own"),
     ],
 )
 def test_where_the_write_could_be_seen_or_the_sum_differ_the_add_stays(make):
