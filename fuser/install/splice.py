@@ -154,6 +154,8 @@ def declines_expected() -> bool:
     return getattr(_EXPECTED, "depth", 0) > 0
 
 
+#: The hooks every module call runs (``register_module_forward_hook``, ``..._pre_hook``).
+_GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks)
 USER_GUARD = "the user guard declined"
 AUTOGRAD = "autograd would record the call (grad enabled and an input or parameter requires grad): the kernels have no backward"
 
@@ -170,9 +172,10 @@ class FuserState:
     snapshot: ModuleSnapshot | None = None
     calls: CallCounts = field(default_factory=CallCounts)
     merged: MergedWeights | None = None  # linear layers whose weights are merged (their parameters views)
-    # submodules whose work the fused graph does without calling them (a merged linear layer,
-    # one whose GEMM adds the residual): a forward hook put on one after apply would not run
-    bypassed: tuple[torch.nn.Module, ...] = ()
+    # the forward-hook tables of the submodules whose work the fused graph does without calling
+    # them (a merged linear layer, one whose GEMM adds the residual): read at each call, since a
+    # hook put on one after apply would not run
+    bypassed_hooks: tuple[dict, ...] = ()
 
     def stale(self, module: torch.nn.Module) -> tuple[str | None, bool]:
         """(None, _) when what the fused graph fixed at apply time still holds; else (what
@@ -181,7 +184,7 @@ class FuserState:
             why = self.snapshot.differs(module)
             if why is not None:
                 return why, False
-        if self.bypassed and _hooked(self.bypassed):
+        if self.bypassed_hooks and (any(self.bypassed_hooks) or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]):
             return "a forward hook on a linear layer the fused graph runs without calling it (merged, adding the residual, or on the decode GEMM kernel)", False
         if self.merged is not None and not self.merged.current(module):
             return "linear layers' weights no longer fit the merged GEMM (or were replaced inside a CUDA-graph capture)", False
@@ -190,14 +193,6 @@ class FuserState:
         if self.precomputed is not None and not self.precomputed.current(module):
             return "parameters changed inside a CUDA-graph capture", True
         return None, False
-
-
-def _hooked(modules) -> bool:
-    """Is a forward hook (or pre-hook) on any of ``modules``, or on every module?"""
-    nn_module = torch.nn.modules.module
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks for m in modules
-    )
 
 
 def _eager_forward(module: torch.nn.Module, state: FuserState | None) -> Callable:
@@ -313,7 +308,8 @@ def install(
             merged.merge(module)
         state = FuserState(
             module.__dict__.get("forward"), fused, guard, report, tuple(constants), precomputed, Literals(dict(literals or {})),
-            ModuleSnapshot.of(module), merged=merged, bypassed=tuple(module.get_submodule(name) for name in bypassed),
+            ModuleSnapshot.of(module), merged=merged,
+            bypassed_hooks=tuple(t for name in bypassed for m in [module.get_submodule(name)] for t in (m._forward_hooks, m._forward_pre_hooks)),
         )
         add_copy_hooks(module)
         object.__setattr__(module, STATE_ATTR, state)

@@ -183,3 +183,17 @@ def test_a_hook_put_on_the_linear_after_apply_runs_the_call_eager_and_says_so(wh
     assert any("forward hook" in str(w.message) for w in recwarn)
     assert mismatch(block(x, y), eager(x, y), "hook removed", LAYER) is None  # fused again
     assert block.__dict__[STATE_ATTR].calls.fused == 1
+
+
+def test_a_copy_watches_its_own_linear_layer_s_hooks():
+    torch.manual_seed(0)
+    block = Block()
+    fuser.apply(block, inputs())
+    twin = copy.deepcopy(block)
+    twin.proj.register_forward_hook(lambda module, args, out: out * 2.0)
+    x, y = inputs(seed=6)
+    with pytest.warns(UserWarning, match="forward hook"):
+        twin(x, y)
+    block(x, y)
+    assert block.__dict__[STATE_ATTR].calls.fused == 1 and not block.__dict__[STATE_ATTR].calls.declined
+    assert twin.__dict__[STATE_ATTR].calls.fused == 0
