@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from dataclasses import replace
 from pathlib import Path
 
 # (TABLE_DIR, current_gpu and gpu_key are read from here too: where the tables are, this GPU)
-from fuser.ir.device_tables import TABLE_DIR, USER_TABLES, LaunchTableError, current_gpu, gpu_key, table_dirs  # noqa: F401
+from fuser.ir.device_tables import TABLE_DIR, USER_TABLES, LaunchTableError, current_gpu, gpu_key, table_dirs, table_entries  # noqa: F401
 from fuser.lower.warps import elements_per_warp, warps_for
 from fuser.pattern import templates_dir
 
@@ -47,13 +46,7 @@ def _entries(path: Path) -> dict[str, int]:
     wrong: not JSON, no ``entries`` list, an entry without a ``kernel`` string or with warps that
     are not a power of two from 1 to 32."""
     where = f"launch table {path} (read through {USER_TABLES} or fuser's own)"
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise LaunchTableError(f"{where}: {e}") from None
-    entries = table.get("entries") if isinstance(table, dict) else None
-    if not isinstance(entries, list):
-        raise LaunchTableError(f"{where}: no \"entries\" list")
+    entries = table_entries(path, where, LaunchTableError)
     found = {}
     for i, entry in enumerate(entries):
         kernel = entry.get("kernel") if isinstance(entry, dict) else None

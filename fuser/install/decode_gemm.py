@@ -21,8 +21,6 @@ linear layer whose shape has no entry, or a call with more rows than ``up_to``, 
 from __future__ import annotations
 
 import functools
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import triton.language as tl
 
 from fuser.codegen.emit import forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
-from fuser.ir.device_tables import current_gpu, table_dirs
+from fuser.ir.device_tables import current_gpu, table_entries, table_file
 
 #: The environment variable naming one decode-GEMM table file, read instead of the GPU's own.
 TABLE_ENV = "FUSER_DECODE_GEMM_TABLE"
@@ -121,16 +119,7 @@ class DecodeGemmTableError(ValueError):
 
 def table_path() -> Path | None:
     """The table file read: ``$FUSER_DECODE_GEMM_TABLE``, else this GPU's in the table directories."""
-    named = os.environ.get(TABLE_ENV)
-    if named:
-        path = Path(named)
-        if not path.is_file():
-            raise DecodeGemmTableError(f"{TABLE_ENV} names {path}, which is not a file")
-        return path
-    gpu = current_gpu()
-    if gpu is None:
-        return None
-    return next((d / f"{gpu}{TABLE_SUFFIX}" for d in table_dirs() if (d / f"{gpu}{TABLE_SUFFIX}").is_file()), None)
+    return table_file(TABLE_ENV, TABLE_SUFFIX, current_gpu(), DecodeGemmTableError)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> Config | None:
@@ -145,13 +134,7 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> Config | None:
 @functools.lru_cache(maxsize=8)
 def _read(path: str, mtime_ns: int) -> dict:
     where = f"decode-GEMM table {path}"
-    try:
-        table = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise DecodeGemmTableError(f"{where}: {e}") from None
-    entries = table.get("entries") if isinstance(table, dict) else None
-    if not isinstance(entries, list):
-        raise DecodeGemmTableError(f'{where}: no "entries" list')
+    entries = table_entries(path, where, DecodeGemmTableError)
     found = {}
     for i, entry in enumerate(entries):
         try:

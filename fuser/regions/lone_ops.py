@@ -36,9 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from fuser.canon.canonicalize import REDUCING, COp
-from fuser.ir.device_tables import current_gpu, table_dirs
+from fuser.ir.device_tables import current_gpu, table_entries, table_file
 
 #: The environment variable naming one lone-op table file, read instead of the GPU's own.
 TABLE_ENV = "FUSER_LONE_OP_TABLE"
@@ -148,16 +146,7 @@ def forced_decision() -> Decision | None:
 
 def table_path() -> Path | None:
     """The table file read: ``$FUSER_LONE_OP_TABLE``, else this GPU's in the table directories."""
-    named = os.environ.get(TABLE_ENV)
-    if named:
-        path = Path(named)
-        if not path.is_file():
-            raise LoneOpTableError(f"{TABLE_ENV} names {path}, which is not a file")
-        return path
-    gpu = current_gpu()
-    if gpu is None:
-        return None
-    return next((d / f"{gpu}{TABLE_SUFFIX}" for d in table_dirs() if (d / f"{gpu}{TABLE_SUFFIX}").is_file()), None)
+    return table_file(TABLE_ENV, TABLE_SUFFIX, current_gpu(), LoneOpTableError)
 
 
 def current_table() -> tuple[dict, Path | None]:
@@ -171,13 +160,7 @@ def current_table() -> tuple[dict, Path | None]:
 @functools.lru_cache(maxsize=8)
 def _read(path: str, mtime_ns: int) -> dict:
     where = f"lone-op table {path}"
-    try:
-        table = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise LoneOpTableError(f"{where}: {e}") from None
-    entries = table.get("entries") if isinstance(table, dict) else None
-    if not isinstance(entries, list):
-        raise LoneOpTableError(f'{where}: no "entries" list')
+    entries = table_entries(path, where, LoneOpTableError)
     found: dict = {}
     for i, entry in enumerate(entries):
         checked = _checked(entry)

@@ -100,11 +100,17 @@ def tune(module: torch.nn.Module, args: tuple, kwargs: dict, tokens: tuple[int, 
 
 def write_table(entries: list[dict], out_dir: Path, gpu: str, about: dict) -> Path:
     """Merge ``entries`` into ``out_dir/<gpu>.json`` (an entry of the same kernel is replaced)."""
-    path = Path(out_dir) / f"{gpu}.json"
+    return merge_into_table(Path(out_dir) / f"{gpu}.json", entries, key=lambda e: e["kernel"], about=about)
+
+
+def merge_into_table(path: Path, entries: list[dict], key, about: dict, ordered: bool = False) -> Path:
+    """Write ``entries`` into the table file ``path``: an entry of the same ``key`` there is
+    replaced, the others kept, ``about`` (what was measured, where) updated; ``ordered``: the
+    entries sorted by ``key``, else the kept ones first."""
     old = json.loads(path.read_text()) if path.exists() else {"entries": []}
-    fresh = {e["kernel"] for e in entries}
-    kept = [e for e in old["entries"] if e["kernel"] not in fresh]
-    table = {**{k: v for k, v in old.items() if k != "entries"}, **about, "entries": kept + entries}
+    fresh = {key(e) for e in entries}
+    merged = [e for e in old["entries"] if key(e) not in fresh] + entries
+    table = {**{k: v for k, v in old.items() if k != "entries"}, **about, "entries": sorted(merged, key=key) if ordered else merged}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     return path

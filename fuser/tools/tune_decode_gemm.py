@@ -16,7 +16,6 @@ largest token count up to which the kernel was the faster at every count (0: nev
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -95,18 +94,10 @@ def measure_all(shapes=STANDARD_SHAPES, dtypes=("bfloat16",), tokens=DECODE_TOKE
 def write_table(entries: list[dict], out_dir: Path, gpu: str, about: dict) -> Path:
     """Merge ``entries`` into ``out_dir/<gpu>-decode_gemm.json`` (an entry of the same shape and
     dtype is replaced), in order of dtype and shape."""
+    from fuser.tools.tune import merge_into_table
+
     path = Path(out_dir) / f"{gpu}{decode_gemm.TABLE_SUFFIX}"
-    old = json.loads(path.read_text()) if path.exists() else {"entries": []}
-
-    def key(e):
-        return (e["dtype"], e["n"], e["k"])
-
-    fresh = {key(e) for e in entries}
-    merged = sorted([e for e in old["entries"] if key(e) not in fresh] + entries, key=key)
-    table = {**{k: v for k, v in old.items() if k != "entries"}, **about, "entries": merged}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return path
+    return merge_into_table(path, entries, key=lambda e: (e["dtype"], e["n"], e["k"]), about=about, ordered=True)
 
 
 def shapes_of(text: str) -> tuple[tuple[int, int], ...]:

@@ -16,7 +16,6 @@ replaced.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -147,15 +146,7 @@ def measure_all(ops=None, widths=STANDARD_WIDTHS, dtypes=None, tokens=DECODE_TOK
 def write_table(entries: list[dict], out_dir: Path, gpu: str, about: dict) -> Path:
     """Merge ``entries`` into ``out_dir/<gpu>-lone_ops.json`` (an entry of the same op, width
     and dtype is replaced), entries in order of op, dtype and width."""
+    from fuser.tools.tune import merge_into_table
+
     path = Path(out_dir) / f"{gpu}{lone_ops.TABLE_SUFFIX}"
-    old = json.loads(path.read_text()) if path.exists() else {"entries": []}
-
-    def key(e):
-        return (e["op"], e["dtype"], e["width"])
-
-    fresh = {key(e) for e in entries}
-    merged = sorted([e for e in old["entries"] if key(e) not in fresh] + entries, key=key)
-    table = {**{k: v for k, v in old.items() if k != "entries"}, **about, "entries": merged}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return path
+    return merge_into_table(path, entries, key=lambda e: (e["op"], e["dtype"], e["width"]), about=about, ordered=True)
