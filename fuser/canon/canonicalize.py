@@ -37,8 +37,8 @@ from fuser.canon.ops import constant
 from fuser.canon.registry import ANY_DTYPE, SEVERAL, TENSOR
 from fuser.canon.views import aliases, cast_or_copy, index_arithmetic, view
 from fuser.ir.canonical_op import (  # noqa: F401 (the kinds and COp are read from here across fuser)
-    COMPUTE, CONSTANTS, GLUE_KINDS, HEAVY, INPUT, KERNEL_DTYPES, META, MUTATION, UNIT_VIEW, UNSUPPORTED, VIEW, COp,
-    op_name, tensor_args, through_identities,
+    COMPUTE, CONSTANTS, FOLDED_LAUNCHES, GLUE_KINDS, HEAVY, INPUT, KERNEL_DTYPES, META, MUTATION, UNIT_VIEW,
+    UNSUPPORTED, VIEW, COp, op_name, tensor_args, through_identities,
 )
 from fuser.trace.leaves import LEAF
 from fuser.ir.opaque import is_opaque
@@ -185,9 +185,11 @@ class Canonicalizer:
         if node.op == "call_method" and name in _CAST_METHODS and _returns_itself(value, self.value(source)):
             return self.make(node, "identity", COMPUTE, (source,))  # x.to(its own device), of any dtype
         if _integer_cast(node, value, self.value(source)):
-            # no kernel computes integers yet; a cast like any other, so that the spellings of
-            # one chain that cast to different dtypes per device compare (x.float() / x.int())
-            return self.make(node, "cast", UNSUPPORTED, (source,), {"dtype": value.dtype})
+            # a cast like any other, so that the spellings of one chain that cast to different
+            # dtypes per device compare (x.float() / x.int()); kernels compute it between int32
+            # and int64 (positions, expert ids), exact both ways as PyTorch's wraps
+            kind = COMPUTE if {value.dtype, self.value(source).dtype} <= {torch.int32, torch.int64} else UNSUPPORTED
+            return self.make(node, "cast", kind, (source,), {"dtype": value.dtype})
         transposed = target is builtins.getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem) or transposed
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
@@ -352,11 +354,17 @@ def is_glue(cop: COp) -> bool:
     return cop.kind in GLUE_KINDS and cop.op != "identity"
 
 
-def eager_launches(cop: COp) -> int:
-    """Kernel launches this node costs when run eagerly (views and no-ops cost none)."""
+def launches(cop: COp) -> int:
+    """Kernel launches this node costs when it runs as PyTorch's (views and no-ops cost none)."""
     if cop.kind in (COMPUTE, MUTATION, UNSUPPORTED) and cop.op != "identity":
         return _EAGER_LAUNCHES.get(cop.op, 1)
     return 0
+
+
+def eager_launches(cop: COp) -> int:
+    """Kernel launches this node stands for in the module's own forward: its own, and those of
+    the nodes a trace rewrite folded into it (a buffer's fill and its whole writes)."""
+    return launches(cop) + (cop.node.meta.get(FOLDED_LAUNCHES, 0) if launches(cop) else 0)
 
 #: Ops that launch more than one kernel eagerly: fuser.trace.in_place_idioms' arange and index write.
 _EAGER_LAUNCHES = {"inverse_permutation": 2}

@@ -85,10 +85,16 @@ def index_arithmetic(cz, node, name: str, value) -> bool:
     return name != "floordiv" or (len(node.args) == 2 and ops.integer_divisor(node.args[1]))
 
 
+#: Tables a row gather reads: the kernels' dtypes and integer ones (sglang's hash router's
+#: token-to-expert table), whose rows are copied, never computed on.
+_GATHERED_DTYPES = (*KERNEL_DTYPES, torch.int32, torch.int64)
+
+
 def _row_gather(cz, table, index) -> bool:
     """``table[index]``: one row of a table per index, the table token-independent (an
     embedding lookup) or not (MoE's ``hidden[perm // top_k]``, rows of another count)."""
-    if not isinstance(index, fx.Node) or cz.batch_dims(table) not in ((), (0,)) or cz.value(table).dtype not in KERNEL_DTYPES:
+    dtype = cz.value(table).dtype
+    if not isinstance(index, fx.Node) or cz.batch_dims(table) not in ((), (0,)) or dtype not in _GATHERED_DTYPES:
         return False
     idx = cz.value(index)
     return (

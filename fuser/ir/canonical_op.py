@@ -83,6 +83,11 @@ def tensor_args(node: fx.Node) -> tuple:
     return tuple(found)
 
 
+#: Node meta: the eager launches of nodes a trace rewrite folded into this one (a buffer's fill
+#: and its whole writes, :func:`fuser.trace.in_place_idioms.rewrite`); the report counts them.
+FOLDED_LAUNCHES = "fuser_folded_launches"
+
+
 def writes_into(user: fx.Node, buffer: fx.Node) -> bool:
     """Does ``user`` write into ``buffer`` (an index write, an in-place method, an ``out=``)?"""
     if user.target is operator.setitem:

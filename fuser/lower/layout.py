@@ -21,7 +21,10 @@ from fuser.lower.tiling import inserted_axes, pow2
 @lowering("cast")
 def cast(lw, node: fx.Node, cop: COp):
     src = cop.args[0]
-    value, target = lw.f32(src), lw.traced.value(node).dtype
+    target = lw.traced.value(node).dtype
+    if lw.dtypes[src] in INDEX_DTYPES and target in INDEX_DTYPES:  # int32 <-> int64: exact, wrapping as PyTorch
+        return lw.emit(node, f"{lw.names[src]}.to({INDEX_DTYPES[target]})", layout_only=True)
+    value = lw.f32(src)
     if target == torch.bool and lw.dtypes[src] != torch.bool:
         value = f"({value} != 0)"  # NaN included, as PyTorch
     elif lw.dtypes[src] == torch.bool and target != torch.bool:

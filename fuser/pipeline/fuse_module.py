@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fuser.canon.canonicalize import COMPUTE, INPUT, MUTATION, UNSUPPORTED, eager_launches, is_glue
+from fuser.canon.canonicalize import COMPUTE, INPUT, MUTATION, UNSUPPORTED, eager_launches, is_glue, launches
 from fuser.codegen.emit import template_names
 from fuser.codegen.kernel import Kernel
 from fuser.install.copies import report_copies
@@ -214,13 +214,13 @@ def _report(module, traced, cops, kernels, rejected, failed, survivors) -> Repor
         if node in covered:
             continue
         cop = cops[node]
-        launches = eager_launches(cop)
-        if launches == 0:
+        count = launches(cop)
+        if count == 0:
             continue  # views and no-ops cost nothing; they stay as they are
         reason = failed.get(node) or _reason(node, cops, covered)
         if token_free(node) and cop.kind != MUTATION:
             reason = "depends only on parameters, but is not computed from them alone here; " + reason
-        report.unfused.append(Unfused(node.name, cop.op, reason, launches, source_of(node)))
+        report.unfused.append(Unfused(node.name, cop.op, reason, count, source_of(node)))
     report.glue_nodes_after = len([n for n in glue if n not in covered]) + len(kernels)
     report.launches_after = len(kernels) + sum(u.launches for u in report.unfused)
     return report

@@ -15,6 +15,10 @@ ops when it stays eager (the same launches, the same result) and which a pattern
   read of ``out`` reads the sum. Any pointwise in-place method of the op table qualifies where
   its out-of-place form gives the same shape and dtype, and so do ``masked_fill_`` and
   ``scatter_`` (DeepSeek-V3's group mask: ``zeros_like(scores).scatter_(1, idx, 1)``).
+* ``ids = torch.zeros(n, k); ids[:, :] = table[input_ids]; w[:, :] /= w[:, :].sum(-1, True)``
+  (sglang's hash router): a fresh buffer written whole (``buf[:] = v``, ``buf[...] = v``,
+  ``buf[:, :] = v``, ``buf.copy_(v)``, ``v`` of the buffer's shape) is ``v`` cast to the
+  buffer's dtype from that write on; reads before it read the fill.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ import torch
 import torch.fx as fx
 
 from fuser.ir import ops
-from fuser.ir.canonical_op import writes_into
+from fuser.ir.canonical_op import FOLDED_LAUNCHES, writes_into
 
 _EMPTIES = {torch.empty_like, "new_empty", torch.empty}
+#: Functions and methods that make a new buffer, filled or not.
+_NEW_BUFFERS = _EMPTIES | {
+    torch.zeros, torch.ones, torch.full, torch.zeros_like, torch.ones_like, torch.full_like,
+    "new_zeros", "new_ones", "new_full",
+}
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -53,6 +62,144 @@ def rewrite(graph: fx.Graph, shadows: dict[str, tuple[Any, Any]], state: Iterabl
             _out_of_place(graph, node, shadows, superseded, kept)
         elif _fresh(node):
             _concatenation(graph, node, shadows)
+    for node in list(graph.nodes):
+        if node.op in ("call_function", "call_method") and node.target in _NEW_BUFFERS:
+            _whole_writes(graph, node, shadows)
+
+
+def _whole_writes(graph: fx.Graph, buffer: fx.Node, shadows) -> None:
+    """A new buffer written whole, each time by a value of its shape, and otherwise read
+    (directly, or through whole views used before the next write): every read after a write
+    reads that write's value (cast to the buffer's dtype), and the writes go."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes, views, reads = [], [], []
+    for user in sorted(buffer.users, key=order.get):
+        if _whole_write(user, buffer):
+            writes.append(user)
+        elif _whole_view(user, buffer):
+            views.append(user)
+        elif writes_into(user, buffer) or user.op == "call_method" and user.target in _VIEW_METHODS:
+            return  # a part written, or a view that may be written through
+        else:
+            reads.append(user)
+    if not writes:
+        return
+    marks = [order[w] for w in writes]
+    for view in views:  # a whole view is the buffer until the next write
+        if any(_written_through(u) for u in view.users):
+            return
+        later = [m for m in marks if m > order[view]]
+        if later and any(order[u] > later[0] for u in view.users):
+            return
+    value_of = {}
+    for write in writes:
+        value = write.args[2] if write.target is operator.setitem else write.args[1]
+        if not _replaces(value, buffer, write, shadows):
+            return
+        value_of[write] = value
+    if any(u.op == "output" for w in writes for u in value_of[w].users) and any(u.op == "output" for u in buffer.users):
+        return  # both returned: eager's are two tensors
+    current = {}
+    for write in writes:  # the value from each write on: cast where the buffer's dtype differs
+        value = value_of[write]
+        if shadows[value.name][0].dtype != shadows[buffer.name][0].dtype:
+            with graph.inserting_before(write):
+                cast = graph.call_method("to", (value, shadows[buffer.name][0].dtype))
+            cast.meta = dict(write.meta)
+            shadows[cast.name] = tuple(v.to(b.dtype) for v, b in zip(shadows[value.name], shadows[buffer.name]))
+            value = cast  # eager's write: one launch, the cast's
+        else:
+            _fold_launch(value)  # eager's write copied it: one launch
+        current[write] = value
+
+    def value_at(node: fx.Node) -> fx.Node:
+        before = [w for w in writes if order[w] < order[node]]
+        return current[before[-1]] if before else buffer
+
+    for node in views + reads:
+        if node.op == "output":
+            node.replace_input_with(buffer, current[writes[-1]])
+        elif node in views:
+            source = value_at(node)
+            if source is not buffer:
+                node.replace_all_uses_with(source)
+                graph.erase_node(node)
+        else:
+            node.replace_input_with(buffer, value_at(node))
+    for write in writes:
+        graph.erase_node(write)
+    if not buffer.users:
+        if buffer.target not in _EMPTIES:
+            _fold_launch(current[writes[0]])  # eager's fill
+        graph.erase_node(buffer)
+
+
+def _fold_launch(node: fx.Node) -> None:
+    node.meta[FOLDED_LAUNCHES] = node.meta.get(FOLDED_LAUNCHES, 0) + 1
+
+
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "flatten", "unsqueeze", "squeeze", "expand", "narrow",
+                 "select", "unflatten", "view_as", "t", "split", "chunk", "unbind", "as_strided", "diagonal"}  # fmt: skip
+
+
+def _whole_index(index) -> bool:
+    """``[:]``, ``[...]``, ``[:, :]``: every element."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is Ellipsis or p == slice(None) for p in parts)
+
+
+def _whole_write(node: fx.Node, buffer: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is operator.setitem:
+        return node.args[0] is buffer and _whole_index(node.args[1]) and isinstance(node.args[2], fx.Node)
+    return (
+        node.op == "call_method" and node.target == "copy_" and len(node.args) == 2 and not node.kwargs
+        and node.args[0] is buffer and isinstance(node.args[1], fx.Node) and not node.users
+    )  # fmt: skip
+
+
+def _whole_view(node: fx.Node, buffer: fx.Node) -> bool:
+    return (
+        node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
+        and node.args[0] is buffer and _whole_index(node.args[1])
+    )  # fmt: skip
+
+
+def _written_through(user: fx.Node) -> bool:
+    """Might ``user`` write into its input (or keep a view of it that something writes)?"""
+    if user.op == "call_function" and user.target in (operator.setitem,):
+        return True
+    if user.op == "call_method" and (str(user.target).endswith("_") or user.target in _VIEW_METHODS):
+        return True
+    if user.op == "call_function" and user.target is operator.getitem:
+        return True
+    return "out" in user.kwargs
+
+
+def _replaces(value: fx.Node, buffer: fx.Node, write: fx.Node, shadows) -> bool:
+    """Can reads of ``buffer`` after ``write`` read ``value`` instead: of its shape at both
+    traced sizes, a tensor of its own memory (not a graph input's, the state's or another
+    value's) and never written afterwards?"""
+    if value.op not in ("call_function", "call_method", "call_module"):
+        return False  # an input or the state: the buffer would alias it
+    for which in (0, 1):
+        v, b = shadows[value.name][which], shadows[buffer.name][which]
+        if not isinstance(v, torch.Tensor) or not isinstance(b, torch.Tensor) or v.shape != b.shape:
+            return False
+        if v.device != b.device or v.is_complex() != b.is_complex():
+            return False
+    storage = _storage(shadows[value.name][0])
+    for node in graph_nodes_before(value):
+        other = shadows.get(node.name, (None,))[0]
+        if isinstance(other, torch.Tensor) and other.numel() and _storage(other) == storage:
+            return False  # a view of another value
+    return not _written_later(value, {write}, shadows)
+
+
+def graph_nodes_before(node: fx.Node):
+    current = node.prev
+    while current.op != "root":
+        yield current
+        current = current.prev
 
 
 def _concatenation(graph: fx.Graph, buffer: fx.Node, shadows) -> None:

@@ -2,7 +2,8 @@
 traces, each a context manager that restores the original on exit. ``isinstance`` in traced code
 sees through proxies (:class:`shadow_isinstance`); a CUDA stream switch
 (:class:`refuse_stream_switches`) or a traced value assigned to a module attribute
-(:class:`refuse_module_rebinding`) is refused, naming the user's line.
+(:class:`refuse_module_rebinding`) is refused, naming the user's line; a factory given its
+sizes one by one takes traced sizes too (:class:`sizes_one_by_one`).
 """
 
 from __future__ import annotations
@@ -114,4 +115,31 @@ class refuse_module_rebinding:
 
     def __exit__(self, *exc):
         torch.nn.Module.__setattr__ = self.original
+        return False
+
+
+class sizes_one_by_one:
+    """While tracing, ``torch.zeros(x.shape[0], 8)`` (a factory given its sizes one by one, one
+    of them traced) is called as ``torch.zeros((x.shape[0], 8))``: PyTorch's argument parser
+    takes a traced size only inside a tuple, as torch.fx's own tracing does."""
+
+    FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
+
+    def __enter__(self):
+        self._patched = []
+        for name in self.FACTORIES:
+            original = getattr(torch, name)
+
+            def packed(*args, __original=original, **kwargs):
+                if len(args) > 1 and any(isinstance(a, fx.Proxy) for a in args):
+                    args = (args,)
+                return __original(*args, **kwargs)
+
+            setattr(torch, name, packed)
+            self._patched.append((name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._patched:
+            setattr(torch, name, original)
         return False

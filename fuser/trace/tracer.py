@@ -32,7 +32,7 @@ from fuser.ir.opaque import is_opaque
 from fuser.trace.proxy import ShadowProxy
 from fuser.trace.call_spec import CallSpec, StateRead, read_as_value
 from fuser.trace.constant_indices import slice_constant_list_indices
-from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches, shadow_isinstance
+from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches, shadow_isinstance, sizes_one_by_one
 from fuser.trace.refusal import calling_line, error_location, refuse
 from fuser.trace.token_dims import grow
 
@@ -379,6 +379,7 @@ class ShadowTracer(fx.Tracer):
             refuse_stream_switches(self),
             refuse_module_rebinding(),
             shadow_isinstance(),
+            sizes_one_by_one(),
         ):
             graph = self.trace(root)
         slice_constant_list_indices(graph, self.shadows)  # x[..., [-2], :] is x[..., 2:3, :]: a view

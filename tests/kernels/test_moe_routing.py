@@ -74,3 +74,52 @@ def test_moe_routing_kernels_on_the_gpu():
     result = fuser.check(module, inputs)
     assert result.ok, result.problems
     assert result.report.launches_after == 2, result.report.text()
+
+
+class HashRouter(nn.Module):
+    """sglang's hash routing on its torch path (``HashTopK._forward_torch``, no shared slot):
+    each token's experts read from a token-to-expert table by its id into a zero-filled
+    buffer, its scores gathered at them into another, renormalised in place."""
+
+    def __init__(self, vocab: int, k: int, experts: int, table_dtype):
+        super().__init__()
+        table = torch.randint(0, experts, (vocab, k), generator=torch.Generator().manual_seed(vocab + k))
+        self.register_buffer("tid2eid", table.to(table_dtype))
+        self.k = k
+
+    def forward(self, router_logits, input_ids):
+        scores = torch.nn.functional.softplus(router_logits).sqrt()
+        ids = torch.zeros((scores.shape[0], self.k), dtype=torch.int32, device=scores.device)
+        weights = torch.zeros((scores.shape[0], self.k), dtype=scores.dtype, device=scores.device)
+        ids[:, :] = self.tid2eid[input_ids]
+        weights[:, :] = scores.gather(1, ids[:, :])
+        weights[:, :] /= weights[:, :].sum(dim=-1, keepdim=True) + 1e-20
+        return weights, ids
+
+
+#: The renormalised weights: fp32 math, rounded once to the scores' dtype.
+HASH_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T,k,E", [(1, 6, 256), (5, 1, 8), (33, 9, 48)])
+def test_a_hash_router_is_one_kernel_reading_its_table_at_the_token_ids(T, k, E, dtype, table_dtype):
+    """The ids (an integer table's rows, cast to the buffer's int32), the scores' gather and
+    the renormalisation: one kernel, its ids exact, its weights within the dtype's rounding;
+    the report counts eager's launches, the two fills and the three writes among them. An int64
+    table is cast to the buffer's int32 in the kernel."""
+    module = HashRouter(vocab=97, k=k, experts=E, table_dtype=table_dtype)
+    generator = torch.Generator().manual_seed(T * k)
+    inputs = (torch.randn(T, E, generator=generator).to(dtype), torch.randint(0, 97, (T,), generator=generator))
+    expected = module(*inputs)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    report = result.report
+    # eager: softplus, sqrt, two fills, the lookup and its write, the gather and its write, the
+    # sum, the add, the division and its write (views launch nothing)
+    assert (report.launches_before, report.launches_after) == (12, 1), report.text()
+    weights, ids = fused_output(module, inputs)
+    assert ids.dtype == torch.int32 and torch.equal(ids, expected[1])
+    tol = HASH_TOLERANCE[dtype]
+    torch.testing.assert_close(weights, expected[0], rtol=tol, atol=tol)

@@ -106,10 +106,6 @@ def test_a_topk_layers_decode_call_is_within_the_bound_in_capture_mode_and_out(f
         assert fused <= BOUND < eager, (layer["name"], eager, fused)
 
 
-@pytest.mark.xfail(strict=True, reason="the hash router's torch path is traced and part fused (15 -> 9 in the "
-                                       "MoE block, 22 a call), but its zero-filled buffers written by slice "
-                                       "(hash_topk.py:157-160, 186) and its lookup of an integer table by token "
-                                       "id (tid2eid[input_ids]) have no lowering and stay eager")
 def test_a_hash_layers_decode_call_is_within_the_bound(fallbacks):
     for layer in fallbacks["hash"]:
         assert glue(layer["captured"]) == glue(layer["eager_decode"])

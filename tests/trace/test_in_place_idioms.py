@@ -263,3 +263,96 @@ def test_an_in_place_write_into_a_leafs_state_stays_a_write():
     traced = trace(module, (torch.randn(5, 8),), leaves=["cache"])
     targets = [n.target for n in traced.graph.nodes]
     assert "add_" in targets and "add" not in targets
+
+
+# --- a buffer written whole ----------------------------------------------------------------------
+class WrittenWhole(nn.Module):
+    """A zero-filled buffer read, then written whole twice (the second time through a whole view
+    of itself, as ``buf[:, :] /= ...`` is traced), then read: sglang's hash router's buffers."""
+
+    def __init__(self, value_dtype=None):
+        super().__init__()
+        self.value_dtype = value_dtype
+
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8), dtype=torch.float32)
+        before = buf + 1.0  # reads the fill
+        value = x * 2.0 if self.value_dtype is None else (x * 2.0).to(self.value_dtype)
+        buf[:, :] = value  # cast to the buffer's fp32 where the value is not
+        buf[...] = buf[:, :] / ((buf[:, :] ** 2).sum(-1, keepdim=True) + 3.0)
+        return buf.exp() + before
+
+
+def test_a_buffer_written_whole_reads_each_writes_value_from_it_on():
+    for module in (WrittenWhole(), WrittenWhole(torch.bfloat16)):
+        x = torch.randn(5, 8)
+        ops = _ops(module, x)
+        assert "setitem" not in ops and ops.count("zeros") == 1, ops  # the fill stays for the read before
+        expected = module(x)
+        result = fuser.check(module, (x,))
+        assert result.ok, result.problems
+        assert result.report.launches_after == 1, result.report.text()
+        torch.testing.assert_close(fused_output(module, (x,)), expected)
+
+
+class WrittenInPart(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8))
+        buf[:, :-1] = x[:, :-1] * 2.0
+        return buf + 1.0
+
+
+class WrittenWithAnInput(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros_like(x)
+        buf[:] = x  # the buffer would alias the input
+        return buf
+
+
+class WrittenByBroadcast(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8))
+        buf[:, :] = x[:, :1] * 2.0  # a column spread over the row
+        return buf + 1.0
+
+
+class ViewReadAfterTheNextWrite(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8))
+        buf[:] = x * 2.0
+        old = buf[:, :]  # a view: it sees the next write
+        buf[:] = x * 3.0
+        return old + 1.0
+
+
+class BothReturned(nn.Module):
+    def forward(self, x):
+        buf = torch.empty((x.shape[0], 8))
+        value = x * 2.0
+        buf[:] = value
+        return buf, value  # eager's are two tensors: writing one leaves the other
+
+
+class ValueWrittenLater(nn.Module):
+    def forward(self, x):
+        buf = torch.empty((x.shape[0], 8))
+        value = x * 2.0
+        buf[:] = value
+        value[0] = 1.0  # the buffer keeps the copy
+        return buf * value
+
+
+@pytest.mark.parametrize(
+    "module", [WrittenInPart(), WrittenWithAnInput(), WrittenByBroadcast(), ViewReadAfterTheNextWrite(), BothReturned(),
+               ValueWrittenLater()],
+    ids=lambda m: type(m).__name__,
+)  # fmt: skip
+def test_other_whole_buffer_writes_stay_writes(module):
+    x = torch.randn(5, 8)
+    assert "setitem" in _ops(module, x)
+    expected = module(x.clone())
+    result = fuser.check(module, (x.clone(),))
+    assert result.ok, result.problems
+    got = fused_output(module, (x.clone(),))
+    for a, b in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+        torch.testing.assert_close(a, b)

@@ -198,6 +198,29 @@ def test_token_count_in_reshape_stays_symbolic():
         assert torch.equal(out, m(x))
 
 
+class SizesOneByOne(nn.Module):
+    """Factories given the token count as one of their sizes one by one, not in a tuple."""
+
+    def forward(self, x):
+        scale = torch.ones(x.shape[0], 1) * 2.0
+        shift = torch.zeros(x.size(0), x.size(1), dtype=x.dtype)
+        buf = torch.empty(x.shape[0], 8)
+        buf[:] = x * scale + shift
+        return buf
+
+
+def test_a_factory_given_a_traced_size_one_by_one_is_traced_with_the_size_symbolic():
+    m = SizesOneByOne()
+    traced = trace(m, (torch.randn(3, 8),))
+    factories = [n for n in traced.graph.nodes if n.target in (torch.ones, torch.zeros, torch.empty)]
+    assert factories and all(isinstance(n.args[0], tuple) and isinstance(n.args[0][0], fx.Node) for n in factories)
+    assert torch.zeros is torch._C._VariableFunctions.zeros  # the tracing's patch is gone
+    gm = graph_module(m, traced)
+    for T in (1, 2, 7):
+        x = torch.randn(T, 8)
+        assert torch.equal(gm(x), m(x))
+
+
 # ---------------------------------------------------------------------------------------------
 # In-place writes
 # ---------------------------------------------------------------------------------------------
