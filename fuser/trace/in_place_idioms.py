@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from fuser.ir import ops
 from fuser.ir.canonical_op import FOLDED_LAUNCHES, writes_into
+from fuser.trace.leaves import LEAF
 
 _EMPTIES = {torch.empty_like, "new_empty", torch.empty}
 #: Functions and methods that make a new buffer, filled or not.
@@ -80,6 +81,8 @@ def _whole_writes(graph: fx.Graph, buffer: fx.Node, shadows) -> None:
             views.append(user)
         elif writes_into(user, buffer) or user.op == "call_method" and user.target in _VIEW_METHODS:
             return  # a part written, or a view that may be written through
+        elif _opaque(user):
+            return  # a leaf may write what it is given
         else:
             reads.append(user)
     if not writes:
@@ -179,8 +182,8 @@ def _replaces(value: fx.Node, buffer: fx.Node, write: fx.Node, shadows) -> bool:
     """Can reads of ``buffer`` after ``write`` read ``value`` instead: of its shape at both
     traced sizes, a tensor of its own memory (not a graph input's, the state's or another
     value's) and never written afterwards?"""
-    if value.op not in ("call_function", "call_method", "call_module"):
-        return False  # an input or the state: the buffer would alias it
+    if value.op not in ("call_function", "call_method") or _opaque(value):
+        return False  # an input, the state or a leaf's result (a cache's memory): the buffer would alias it
     for which in (0, 1):
         v, b = shadows[value.name][which], shadows[buffer.name][which]
         if not isinstance(v, torch.Tensor) or not isinstance(b, torch.Tensor) or v.shape != b.shape:
@@ -188,14 +191,19 @@ def _replaces(value: fx.Node, buffer: fx.Node, write: fx.Node, shadows) -> bool:
         if v.device != b.device or v.is_complex() != b.is_complex():
             return False
     storage = _storage(shadows[value.name][0])
-    for node in graph_nodes_before(value):
+    for node in _nodes_before(value):
         other = shadows.get(node.name, (None,))[0]
         if isinstance(other, torch.Tensor) and other.numel() and _storage(other) == storage:
             return False  # a view of another value
     return not _written_later(value, {write}, shadows)
 
 
-def graph_nodes_before(node: fx.Node):
+def _opaque(node: fx.Node) -> bool:
+    """A module call or a call the trace kept opaque: code the graph does not see into."""
+    return node.op == "call_module" or bool(node.meta.get(LEAF))
+
+
+def _nodes_before(node: fx.Node):
     current = node.prev
     while current.op != "root":
         yield current

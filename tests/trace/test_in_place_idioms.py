@@ -342,9 +342,23 @@ class ValueWrittenLater(nn.Module):
         return buf * value
 
 
+@fuser.opaque
+def _zero_first_column(buf):
+    buf[:, 0] = 0.0
+
+
+class ALeafWritesIt(nn.Module):
+    def forward(self, x):
+        buf = torch.empty((x.shape[0], 8))
+        value = x * 2.0
+        buf[:] = value
+        _zero_first_column(buf)  # a leaf, which may write what it is given
+        return buf + value
+
+
 @pytest.mark.parametrize(
     "module", [WrittenInPart(), WrittenWithAnInput(), WrittenByBroadcast(), ViewReadAfterTheNextWrite(), BothReturned(),
-               ValueWrittenLater()],
+               ValueWrittenLater(), ALeafWritesIt()],
     ids=lambda m: type(m).__name__,
 )  # fmt: skip
 def test_other_whole_buffer_writes_stay_writes(module):
