@@ -1,5 +1,5 @@
 """ops: the canonical form of ops with more than one spelling or a result in parts: top-k,
-GELU, masked_fill, layer_norm, max/min along a dim, sort, histc, cumsum, stack,
+GELU, masked_fill, layer_norm, rms_norm, max/min along a dim, sort, histc, cumsum, stack,
 repeat_interleave, repeat, pad, p-norms and F.normalize, index_add, and constants. Each function takes the canonicaliser
 (:class:`fuser.canon.canonicalize.Canonicalizer`) explicitly and is registered under the op
 name it canonicalises (:mod:`fuser.canon.registry`)."""
@@ -64,6 +64,26 @@ def layer_norm(cz, node):
     ):  # fmt: skip
         return cz.make(node, "layer_norm", UNSUPPORTED, tensor_args(node))
     return cz.make(node, "layer_norm", COMPUTE, (x, weight, bias), {"dim": (rank - 1,), "eps": float(eps)})
+
+
+@canonical("rms_norm")
+def rms_norm(cz, node):
+    """``F.rms_norm(x, (n,), weight, eps)`` (``nn.RMSNorm``) over the last (non-token) axis, as
+    PyTorch's fused path computes it: in fp32, times the weight, rounded once; eps None is
+    fp32's machine epsilon. A weight of another dtype takes PyTorch's other path: not fused."""
+    params = cz.params(node, "rms_norm")
+    x, shape = node.args[0], params.get("normalized_shape")
+    weight, eps = params.get("weight"), params.get("eps")
+    rank = cz.value(x).dim()
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps
+    if (
+        not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 1 or rank - 1 in cz.batch_dims(x)
+        or not (weight is None or isinstance(weight, fx.Node)) or not isinstance(eps, (int, float))
+        or (weight is not None and cz.value(weight).dtype != cz.value(x).dtype)
+    ):  # fmt: skip
+        return cz.make(node, "rms_norm", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "rms_norm", COMPUTE, (x, weight), {"dim": (rank - 1,), "eps": float(eps)})
 
 
 @canonical("max", "min", several=True)

@@ -223,6 +223,7 @@ _ENTRIES = [
     Op("softmax", NORMALIZATION, 1, lowering="softmax", params=("dim",)),
     Op("log_softmax", NORMALIZATION, 1, lowering="softmax", params=("dim",)),
     Op("layer_norm", NORMALIZATION, 3, lowering="layer_norm", params=("normalized_shape", "weight", "bias", "eps")),
+    Op("rms_norm", NORMALIZATION, 2, lowering="rms_norm", params=("normalized_shape", "weight", "eps")),  # F.rms_norm
     Op("cumsum", NORMALIZATION, 1, lowering="cumsum", params=("dim",)),  # a running sum along a short axis
     Op("vector_norm", REDUCTION, 1, lowering="vector_norm", params=_REDUCE),  # attribute ``ord``: 1, 2, inf, p
     Op("normalize", NORMALIZATION, 1, lowering="normalize"),  # F.normalize: x / max(p-norm, eps)

@@ -1,5 +1,5 @@
 """normalizations: lowerings that combine values along an axis of the block and keep its
-shape: softmax and log_softmax, layer norm, running sums. Each takes the lowerer
+shape: softmax and log_softmax, layer norm, RMS norm, running sums. Each takes the lowerer
 (:class:`fuser.lower.lowerer.Lowerer`) explicitly."""
 
 from __future__ import annotations
@@ -51,6 +51,22 @@ def layer_norm(lw, node: fx.Node, cop: COp):
         expr = f"{expr} * {lw.f32(weight)}"
     if bias is not None:
         expr = f"{expr} + {lw.f32(bias)}"
+    return lw.emit(node, expr)
+
+
+@lowering("rms_norm")
+def rms_norm(lw, node: fx.Node, cop: COp):
+    """``x * rsqrt(mean(x²) + eps) * weight`` over the last axis, in fp32 (``F.rms_norm``)."""
+    src, weight = cop.args
+    (axis,) = reduced_axes(lw, node, cop)
+    count = float(lw.block_shape(src)[axis])
+    square = f"{lw.f32(src)} * {lw.f32(src)}"
+    mask = lw.mask(src)
+    square = f"tl.where({mask}, {square}, 0.0)" if mask else square
+    lw.lines.append(f"_ms = tl.expand_dims(tl.sum({square}, axis={axis}), {axis}) / {count!r}  # {node.name}")
+    expr = f"{lw.f32(src)} * tl.rsqrt(_ms + {float(cop.attr('eps'))!r})"
+    if weight is not None:
+        expr = f"{expr} * {lw.f32(weight)}"
     return lw.emit(node, expr)
 
 

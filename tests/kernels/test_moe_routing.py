@@ -123,3 +123,19 @@ def test_a_hash_router_is_one_kernel_reading_its_table_at_the_token_ids(T, k, E,
     assert ids.dtype == torch.int32 and torch.equal(ids, expected[1])
     tol = HASH_TOLERANCE[dtype]
     torch.testing.assert_close(weights, expected[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("T", [1, 64])
+def test_a_hash_router_is_one_kernel_on_the_gpu(T, table_dtype):
+    module = HashRouter(vocab=1000, k=6, experts=256, table_dtype=table_dtype).cuda()
+    generator = torch.Generator().manual_seed(T)
+    inputs = (torch.randn(T, 256, generator=generator).bfloat16().cuda(), torch.randint(0, 1000, (T,), generator=generator).cuda())
+    expected = module(*inputs)
+    result = fuser.check(module, inputs)
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()
+    weights, ids = fused_output(module, inputs)
+    assert torch.equal(ids, expected[1])
+    torch.testing.assert_close(weights, expected[0], rtol=HASH_TOLERANCE[torch.bfloat16], atol=HASH_TOLERANCE[torch.bfloat16])

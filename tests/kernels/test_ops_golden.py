@@ -162,6 +162,61 @@ def test_functional_layer_norm_over_heads(dtype):
     fuse_and_compare(module, residual(dtype, 42, 3.0, shape=(3,)), ["layer_norm"])
 
 
+class TorchRMSNorm(nn.Module):
+    """``nn.RMSNorm`` (PyTorch's own module: ``F.rms_norm``) after a residual add."""
+
+    def __init__(self, width, dtype, affine=True, eps=1e-6):
+        super().__init__()
+        self.norm = nn.RMSNorm(width, eps=eps, elementwise_affine=affine, dtype=dtype)
+        if affine:
+            with torch.no_grad():
+                self.norm.weight.copy_(randn(gen(width), width, dtype=dtype, scale=0.5) + 1)
+
+    def forward(self, x, r):
+        return self.norm(x + r)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine, eps", [(True, 1e-6), (True, None), (False, 1e-5)], ids=["w", "w-default-eps", "plain"])
+def test_torch_rms_norm(affine, eps, dtype, width):
+    fuse_and_compare(TorchRMSNorm(width, dtype, affine, eps), residual(dtype, width, 3.0), ["rms_norm"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_functional_rms_norm_over_heads(dtype):
+    module = Residual(lambda h: F.rms_norm(h, (h.shape[-1],)) * 2.0)
+    fuse_and_compare(module, residual(dtype, 42, 3.0, shape=(3,)), ["rms_norm"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [130, 4096])
+def test_torch_rms_norm_on_the_gpu(width, dtype):
+    module = TorchRMSNorm(width, dtype).cuda()
+    x, r = (t.cuda() for t in residual(dtype, width, 3.0)(64))
+    expected = module(x, r)
+    result = fuser.check(module, (x, r))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()
+    fuser.apply(module, (x, r))
+    try:
+        assert_close(module(x, r), expected, KERNEL, "fused on the GPU")
+    finally:
+        fuser.restore(module)
+
+
+def test_rms_norm_of_a_weight_in_another_dtype_stays_pytorchs():
+    """PyTorch computes ``F.rms_norm`` of a bf16 input and an fp32 weight on another path (the
+    normalised input rounded before the weight): not fused, and eager's result comes back."""
+    module = TorchRMSNorm(42, torch.float32)
+    x, r = residual(torch.bfloat16, 42, 3.0)(5)
+    report = fuser.explain(module, (x, r))
+    assert "rms_norm" in [u.op for u in report.unfused], report.text()  # (and the add, alone)
+    result = fuser.check(module, (x, r))
+    assert result.ok, result.problems
+
+
 REDUCING = {
     "softmax(dtype=fp32)": (lambda h: F.softmax(h, dim=-1, dtype=torch.float32), ["softmax"]),
     "softmax(dtype=input)": (lambda h: torch.softmax(h.float() * 0.5, -1, dtype=h.dtype), ["softmax"]),
