@@ -173,6 +173,29 @@ def vector_norm(cz, node):
     return cz.make(node, "vector_norm", COMPUTE, (x,), attrs)
 
 
+@canonical("var", "std")
+def moments(cz, node):
+    """``x.var(dim, unbiased, keepdim)`` / ``std``, ``correction=`` too, along non-token axes:
+    ``var`` or ``std`` with attribute ``correction`` (1 unless ``unbiased=False``). Over every
+    dim (the tokens among them), or with no more elements than the correction, stays eager."""
+    params = bound_args(node, ("input", "dim", "unbiased", "keepdim"))
+    x, dim, keepdim = params.get("input"), params.get("dim"), params.get("keepdim", False)
+    unbiased, correction = params.get("unbiased"), params.get("correction")
+    if correction is None:
+        correction = 1 if unbiased is None or unbiased is True else 0 if unbiased is False else None
+    rank = cz.value(x).dim() if isinstance(x, fx.Node) else 0
+    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else None
+    if (
+        not rank or dims is None or not dims or not all(isinstance(d, int) for d in dims)
+        or isinstance(correction, bool) or not isinstance(correction, (int, float)) or not isinstance(keepdim, bool)
+        or params.get("out") is not None or {d % rank for d in dims} & set(cz.batch_dims(x))
+        or math.prod(cz.value(x).shape[d] for d in dims) <= correction
+    ):  # fmt: skip
+        return cz.make(node, op_name(node), UNSUPPORTED, tensor_args(node))
+    attrs = {"dim": tuple(sorted({d % rank for d in dims})), "keepdim": keepdim, "correction": float(correction)}
+    return cz.make(node, op_name(node), COMPUTE, (x,), attrs)
+
+
 @canonical("normalize")
 def normalize(cz, node):
     """``F.normalize(x, p, dim, eps)``: x over its p-norm along one non-token axis (at least eps)."""

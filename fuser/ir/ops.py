@@ -226,6 +226,8 @@ _ENTRIES = [
     Op("rms_norm", NORMALIZATION, 2, lowering="rms_norm", params=("normalized_shape", "weight", "eps")),  # F.rms_norm
     Op("cumsum", NORMALIZATION, 1, lowering="cumsum", params=("dim",)),  # a running sum along a short axis
     Op("vector_norm", REDUCTION, 1, lowering="vector_norm", params=_REDUCE),  # attribute ``ord``: 1, 2, inf, p
+    Op("var", REDUCTION, 1, lowering="moments", params=_REDUCE),  # attribute ``correction``
+    Op("std", REDUCTION, 1, lowering="moments", params=_REDUCE),
     Op("normalize", NORMALIZATION, 1, lowering="normalize"),  # F.normalize: x / max(p-norm, eps)
     # layout
     Op("reshape", LAYOUT, 1, lowering="layout"),

@@ -142,6 +142,29 @@ def reduce(lw, node: fx.Node, cop: COp):
     return lw.emit(node, expr)
 
 
+@lowering("moments")
+def moments(lw, node: fx.Node, cop: COp):
+    """``var`` (and ``std``, its square root) over block ``axes`` in fp32, from the centred
+    values as PyTorch (two passes over the block in registers), over count - correction."""
+    src = cop.args[0]
+    axes = sorted(reduced_axes(lw, node, cop), reverse=True)
+    count = math.prod(lw.block_shape(src)[a] for a in axes)
+    mean = lw.masked(src, "0.0")
+    for axis in axes:
+        mean = f"tl.expand_dims(tl.sum({mean}, axis={axis}), {axis})"
+    lw.lines.append(f"_mean = {mean} / {float(count)!r}  # {node.name}")
+    mask = lw.mask(src)
+    centred = f"{lw.f32(src)} - _mean"
+    lw.lines.append(f"_centred = {f'tl.where({mask}, {centred}, 0.0)' if mask else centred}")
+    total = "_centred * _centred"
+    for axis in axes:
+        total = f"tl.sum({total}, axis={axis})"
+        if cop.attr("keepdim"):
+            total = f"tl.expand_dims({total}, {axis})"
+    expr = f"{total} / {float(count - cop.attr('correction'))!r}"
+    return lw.emit(node, f"tl.sqrt({expr})" if cop.op == "std" else expr)
+
+
 @lowering("vector_norm")
 def vector_norm(lw, node: fx.Node, cop: COp):
     """``torch.linalg.vector_norm(x, p, dim)`` in fp32, rounded once (:func:`norm_of`)."""

@@ -228,6 +228,12 @@ REDUCING = {
     "amax": (lambda h: torch.amax(h, -1, keepdim=True), ["amax"]),
     "argmax": (lambda h: h.argmax(-1), ["argmax"]),
     "argmax(keepdim)": (lambda h: torch.argmax(h, dim=-1, keepdim=True), ["argmax"]),
+    # a LayerNorm written by hand, and the other spellings of var and std
+    "var(unbiased=False) norm": (
+        lambda h: (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True, unbiased=False) + 1e-5), ["var"]),
+    "var": (lambda h: h.var(-1) * 2.0, ["var"]),
+    "torch.var(correction=0)": (lambda h: torch.var(h, dim=-1, correction=0, keepdim=True) + h, ["var"]),
+    "std": (lambda h: (h - h.mean(-1, keepdim=True)) / (h.std(-1, keepdim=True) + 1e-5), ["std"]),
 }
 
 
