@@ -287,6 +287,8 @@ class Canonicalizer:
                 return self._rewrite(COp(unary, COMPUTE, (args[0],), (), cop.covers))
         if op == "div" and not isinstance(args[0], fx.Node) and args[0] == 1:
             return self._rewrite(COp("reciprocal", COMPUTE, (args[1],), (), cop.covers))
+        if op == "div" and not isinstance(args[0], fx.Node) and isinstance(args[1], fx.Node):
+            return COp("rdiv", COMPUTE, (args[1],), (("numerator", args[0]),), cop.covers)  # c / x
         if op == "reciprocal" and isinstance(args[0], fx.Node):
             inner = self.cops[args[0]]
             if inner.op == "sqrt" and self._sole_user(args[0], node) and self._fp32(args[0]):

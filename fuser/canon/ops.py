@@ -41,6 +41,15 @@ def gelu(cz, node):
     return cz.make(node, op, COMPUTE, (node.args[0],))
 
 
+@canonical("round")
+def round_(cz, node):
+    """``torch.round(x)``: half to even; with ``decimals`` other than 0 it stays eager."""
+    decimals = cz.params(node, "round").get("decimals", 0)
+    if decimals != 0:
+        return cz.make(node, "round[decimals]", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "round", COMPUTE, (node.args[0],))
+
+
 @canonical("masked_fill")
 def masked_fill(cz, node):
     """``x.masked_fill(mask, value)`` is ``where(mask, value, x)``."""

@@ -95,6 +95,16 @@ def _gelu(a: str) -> str:
     return f"0.5 * {a} * (1.0 + {expr('erf', f'{a} * {SQRT1_2!r}')})"
 
 
+def _round(a: str) -> str:
+    """Round half to even, as ``torch.round``: floor(x + 0.5), one less at an odd tie; x itself
+    from 2^23 on (every fp32 there is an integer, and x + 0.5 would round); a zero keeps x's sign."""
+    nearest = f"tl.floor({a} + 0.5)"
+    odd_tie = f"(({nearest}) - ({a}) == 0.5) & (({nearest}) - 2.0 * tl.floor(({nearest}) * 0.5) == 1.0)"
+    rounded = f"tl.where({odd_tie}, {nearest} - 1.0, {nearest})"
+    signed = f"tl.where({rounded} == 0.0, ({a}) * 0.0, {rounded})"
+    return f"tl.where(tl.abs({a}) >= 8388608.0, {a}, {signed})"
+
+
 def _gelu_tanh(a: str) -> str:
     inner = f"{SQRT_2_OVER_PI!r} * ({a} + 0.044715 * {a} * {a} * {a})"  # as PyTorch: x + k * x^3
     return f"0.5 * {a} * (1.0 + {expr('tanh', inner)})"
@@ -186,6 +196,9 @@ _ENTRIES = [
     Op("square", POINTWISE, 1, "{a} * {a}"),
     Op("floor", POINTWISE, 1, "tl.floor({a})"),
     Op("ceil", POINTWISE, 1, "tl.ceil({a})"),
+    Op("round", POINTWISE, 1, _round, params=("decimals",)),  # decimals=0 only
+    Op("trunc", POINTWISE, 1, "tl.where({a} >= 0.0, tl.floor({a}), tl.ceil({a}))", spellings=("fix",)),
+    Op("sign", POINTWISE, 1, "tl.where({a} > 0.0, 1.0, tl.where({a} < 0.0, -1.0, 0.0))"),  # NaN: 0, as PyTorch
     Op("copy", POINTWISE, 1, "{a}"),
     Op("logical_not", POINTWISE, 1, "{a} == 0", spellings=("invert", "bitwise_not"), result=BOOL_RESULT),
     # binary pointwise
@@ -194,6 +207,9 @@ _ENTRIES = [
     Op("mul", POINTWISE, 2, "{a} * {b}", spellings=("multiply",), commutative=True, integer="{a} * {b}"),
     Op("floordiv", POINTWISE, 2, spellings=("floor_divide",), integer=_floordiv),  # integers only
     Op("div", POINTWISE, 2, "{a} / {b}", spellings=("true_divide",)),
+    # a number over a tensor, ``c / x``: PyTorch's ``Tensor.__rtruediv__`` is ``x.reciprocal() * c``,
+    # the reciprocal rounded to x's dtype first (attribute ``numerator``)
+    Op("rdiv", POINTWISE, 1, lowering="rdiv"),
     Op("pow", POINTWISE, 2, _pow),
     Op("maximum", POINTWISE, 2, "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
        spellings=("max_elementwise",), commutative=True),  # fmt: skip

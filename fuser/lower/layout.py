@@ -32,6 +32,17 @@ def cast(lw, node: fx.Node, cop: COp):
     return lw.emit(node, value)
 
 
+@lowering("rdiv")
+def rdiv(lw, node: fx.Node, cop: COp):
+    """``c / x`` as PyTorch computes it: ``x.reciprocal() * c``, the reciprocal rounded to the
+    result's dtype before the product (in bf16 the two roundings decide a later ``round``)."""
+    dtype = lw.traced.value(node).dtype
+    reciprocal = rounded(f"1.0 / {lw.f32(cop.args[0])}", dtype)
+    if dtype != torch.float32:
+        reciprocal = f"({reciprocal}).to(tl.float32)"
+    return lw.emit(node, f"{reciprocal} * {lw.f32(cop.attr('numerator'))}")
+
+
 @lowering("layout")
 def layout(lw, node: fx.Node, cop: COp):
     return lw.emit(node, moved(lw, node, cop, lw.names[cop.args[0]]), layout_only=True)

@@ -100,6 +100,10 @@ POINTWISE = {
     "bool->float": (lambda h: (h > 0).to(h.dtype) * h, ["to"], 2.0),
     "~": (lambda h: ~(h > 0.5), ["invert"], 2.0),
     "~ &": (lambda h: ~(h > 0.5) & (h > -0.5), ["invert", "and_"], 2.0),
+    "round": (lambda h: torch.round(h * 8.0), ["round"], 3.0),
+    "round(ties)": (lambda h: torch.floor(h * 4.0).mul(0.5).round(), ["round"], 3.0),  # k/2: half to even
+    "trunc": (lambda h: torch.trunc(h * 3.0), ["trunc"], 3.0),
+    "sign": (lambda h: torch.sign(torch.relu(h) - 0.5) * h, ["sign"], 2.0),
 }
 COMPARISONS = {
     "eq": lambda h: torch.relu(h) == 0,
@@ -234,6 +238,9 @@ REDUCING = {
     "var": (lambda h: h.var(-1) * 2.0, ["var"]),
     "torch.var(correction=0)": (lambda h: torch.var(h, dim=-1, correction=0, keepdim=True) + h, ["var"]),
     "std": (lambda h: (h - h.mean(-1, keepdim=True)) / (h.std(-1, keepdim=True) + 1e-5), ["std"]),
+    # per-token int8 quantisation, dequantised (W8A8's activations; BitNet's absmax)
+    "int8 absmax": (lambda h: (lambda s: (h * s).round().clamp(-128, 127) / s)(
+        127.0 / h.abs().amax(-1, keepdim=True).clamp(min=1e-5)), ["round", "amax"]),
 }
 
 
