@@ -168,7 +168,7 @@ UNLOWERED = {
     "cumprod": (lambda a: torch.cumprod(a, -1), "cumprod"),
     "sort": (lambda a: torch.sort(a, dim=-1).values, "sort"),
     "atan": (torch.atan, "atan"),
-    "sign": (torch.sign, "sign"),
+    "sinh": (torch.sinh, "sinh"),
 }
 
 
