@@ -188,8 +188,8 @@ class Canonicalizer:
             # a cast like any other, so that the spellings of one chain that cast to different
             # dtypes per device compare (x.float() / x.int()); kernels compute it between int32
             # and int64 (positions, expert ids), exact both ways as PyTorch's wraps
-            kind = COMPUTE if {value.dtype, self.value(source).dtype} <= {torch.int32, torch.int64} else UNSUPPORTED
-            return self.make(node, "cast", kind, (source,), {"dtype": value.dtype})
+            exact = {value.dtype, self.value(source).dtype} <= {torch.int32, torch.int64} or self._in_range(source, value.dtype)
+            return self.make(node, "cast", COMPUTE if exact else UNSUPPORTED, (source,), {"dtype": value.dtype})
         transposed = target is builtins.getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES
         is_view = name in _VIEW_METHODS or (node.op == "call_function" and target is operator.getitem) or transposed
         complex_ok = value.dtype == torch.complex64 and (name in _COMPLEX_OPS or is_view)
@@ -218,6 +218,18 @@ class Canonicalizer:
         if ops.kind(name) in (ops.POINTWISE, ops.REDUCTION, ops.NORMALIZATION):
             return self._compute(node, name)
         return self.make(node, name, UNSUPPORTED, tensor_args(node))
+
+    def _in_range(self, source, dtype: torch.dtype) -> bool:
+        """Is ``source`` a floating-point value clamped by literals into ``dtype``'s range (int8,
+        int32), so that a cast to it truncates toward zero on every device, as a kernel's does?
+        (Out of range, PyTorch's own cast differs between CPU and GPU.)"""
+        cop = self.cops.get(source)
+        if dtype not in (torch.int8, torch.int32) or cop is None or cop.op != "clamp" or len(cop.args) != 3:
+            return False
+        low, high = cop.args[1:]
+        info = torch.iinfo(dtype)
+        numbers = all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (low, high))
+        return numbers and self.value(source).is_floating_point() and info.min <= low <= high <= info.max
 
     def _compute(self, node, name):
         tensors = [a for a in node.args if isinstance(a, fx.Node)]

@@ -17,6 +17,7 @@ from fuser.trace.tracing import Traced
 TL_DTYPES = {
     torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
     torch.float8_e4m3fn: "tl.float8e4nv", torch.bool: "tl.int1",
+    torch.int8: "tl.int8",  # quantised activations: made only by a cast of a value clamped to its range
 }  # fmt: skip
 
 

@@ -252,6 +252,56 @@ def test_reducing(case, dtype, width):
     fuse_and_compare(Residual(fn), residual(dtype, width, 3.0), names)
 
 
+class QuantiseInt8(nn.Module):
+    """Per-token absmax int8 quantisation (W8A8's activations, before an int8 GEMM)."""
+
+    def __init__(self, low=-128, high=127):
+        super().__init__()
+        self.low, self.high = low, high
+
+    def forward(self, x, r):
+        h = x + r
+        scale = h.abs().amax(-1, keepdim=True).clamp(min=1e-5) / 127.0
+        return (h / scale).round().clamp(self.low, self.high).to(torch.int8), scale
+
+
+class DequantiseInt8(nn.Module):
+    def forward(self, q, scale, r):
+        return q.to(r.dtype) * scale + r
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_quantisation_is_one_kernel_and_exact(dtype, width):
+    """The int8 values are eager's exactly (a cast of a value clamped into int8's range), the
+    scales within the dtype's tolerance; dequantising them is one kernel too."""
+    module = QuantiseInt8()
+    cases = {T: residual(dtype, width, 3.0)(T) for T in (1, 3, 16)}
+    eager = {T: eager_call(module, *args) for T, args in cases.items()}
+    report = fuser.apply(module, cases[3])
+    try:
+        assert report.launches_after == 1 and not report.unfused, report.text()
+        for T, (x, r) in cases.items():
+            expected = eager[T]
+            q, scale = fused_call(module, x, r)
+            assert q.dtype == torch.int8 and torch.equal(q, expected[0]), f"T={T}"
+            assert_close(scale, expected[1], KERNEL, f"scale at T={T}")
+    finally:
+        fuser.restore(module)
+    x, r = cases[16]
+    q, scale = QuantiseInt8()(x, r)
+    fuse_and_compare(DequantiseInt8(), lambda T: (q[:T], scale[:T], r[:T]), ["to", "mul", "add"])
+
+
+def test_a_cast_to_int8_of_a_value_not_clamped_into_its_range_stays_pytorchs():
+    """Out of int8's range PyTorch's own cast differs between devices: a kernel does not take it."""
+    x, r = residual(torch.float32, 42, 3.0)(5)
+    report = fuser.explain(QuantiseInt8(-200, 200), (x, r))
+    assert [u.op for u in report.unfused] == ["cast"], report.text()
+    result = fuser.check(QuantiseInt8(-200, 200), (x, r))
+    assert result.ok, result.problems
+
+
 class MaskedSoftmax(nn.Module):
     """Attention-style: masked positions to -inf, then softmax in fp32."""
 
