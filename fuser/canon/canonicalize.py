@@ -187,7 +187,8 @@ class Canonicalizer:
         if _integer_cast(node, value, self.value(source)):
             # a cast like any other, so that the spellings of one chain that cast to different
             # dtypes per device compare (x.float() / x.int()); kernels compute it between int32
-            # and int64 (positions, expert ids), exact both ways as PyTorch's wraps
+            # and int64 (positions, expert ids), exact both ways as PyTorch's wraps, and to int8
+            # or int32 from a value clamped into that range (a quantised activation)
             exact = {value.dtype, self.value(source).dtype} <= {torch.int32, torch.int64} or self._in_range(source, value.dtype)
             return self.make(node, "cast", COMPUTE if exact else UNSUPPORTED, (source,), {"dtype": value.dtype})
         transposed = target is builtins.getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES

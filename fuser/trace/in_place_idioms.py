@@ -148,7 +148,7 @@ _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "flatten", "unsqueez
 def _whole_index(index) -> bool:
     """``[:]``, ``[...]``, ``[:, :]``: every element."""
     parts = index if isinstance(index, tuple) else (index,)
-    return all(p is Ellipsis or p == slice(None) for p in parts)
+    return all(p is Ellipsis or (isinstance(p, slice) and p == slice(None)) for p in parts)
 
 
 def _whole_write(node: fx.Node, buffer: fx.Node) -> bool:
@@ -169,13 +169,11 @@ def _whole_view(node: fx.Node, buffer: fx.Node) -> bool:
 
 def _written_through(user: fx.Node) -> bool:
     """Might ``user`` write into its input (or keep a view of it that something writes)?"""
-    if user.op == "call_function" and user.target in (operator.setitem,):
+    if user.op == "call_function" and user.target in (operator.setitem, operator.getitem):
         return True
     if user.op == "call_method" and (str(user.target).endswith("_") or user.target in _VIEW_METHODS):
         return True
-    if user.op == "call_function" and user.target is operator.getitem:
-        return True
-    return "out" in user.kwargs
+    return "out" in user.kwargs or _opaque(user)
 
 
 def _replaces(value: fx.Node, buffer: fx.Node, write: fx.Node, shadows) -> bool:
