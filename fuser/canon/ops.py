@@ -1,5 +1,5 @@
 """ops: the canonical form of ops with more than one spelling or a result in parts: top-k,
-GELU, masked_fill, layer_norm, rms_norm, max/min along a dim, sort, histc, cumsum, stack,
+GELU, hardtanh and the activations with a slope, masked_fill, layer_norm, rms_norm, max/min along a dim, sort, histc, cumsum, stack,
 repeat_interleave, repeat, pad, p-norms and F.normalize, index_add, and constants. Each function takes the canonicaliser
 (:class:`fuser.canon.canonicalize.Canonicalizer`) explicitly and is registered under the op
 name it canonicalises (:mod:`fuser.canon.registry`)."""
@@ -39,6 +39,35 @@ def gelu(cz, node):
     if op is None:
         return cz.make(node, f"gelu[{approximate}]", UNSUPPORTED, tensor_args(node))
     return cz.make(node, op, COMPUTE, (node.args[0],))
+
+
+@canonical("hardtanh", "relu6")
+def hardtanh(cz, node):
+    """``F.hardtanh(x, min_val, max_val)`` and ``F.relu6`` (its 0 and 6): a clamp."""
+    params = bound_args(node, ("input", "min_val", "max_val", "inplace"))
+    low, high = (0.0, 6.0) if op_name(node) == "relu6" else (params.get("min_val", -1.0), params.get("max_val", 1.0))
+    if params.get("inplace") or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (low, high)):
+        return cz.make(node, op_name(node), UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "clamp", COMPUTE, (node.args[0], float(low), float(high)))
+
+
+@canonical("leaky_relu", "elu", "celu", "selu")
+def with_slope(cz, node):
+    """``F.leaky_relu(x, slope)``, ``F.elu(x, alpha)``, ``F.celu(x, alpha)`` (ELU of x / alpha),
+    ``F.selu(x)``; in place, they stay eager."""
+    name = op_name(node)
+    second = {"leaky_relu": "negative_slope", "elu": "alpha", "celu": "alpha", "selu": "inplace"}[name]
+    params = bound_args(node, ("input", second, "inplace"))
+    if params.get("inplace"):
+        return cz.make(node, name, UNSUPPORTED, tensor_args(node))
+    if name == "selu":
+        return cz.make(node, "selu", COMPUTE, (node.args[0],))
+    value = params.get(second, 0.01 if name == "leaky_relu" else 1.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (name == "celu" and value == 0):
+        return cz.make(node, name, UNSUPPORTED, tensor_args(node))
+    if name == "leaky_relu":
+        return cz.make(node, "leaky_relu", COMPUTE, (node.args[0], float(value)))
+    return cz.make(node, "elu", COMPUTE, (node.args[0], float(value), 1.0 / value if name == "celu" else 1.0))
 
 
 @canonical("round")

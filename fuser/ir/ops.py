@@ -105,6 +105,29 @@ def _round(a: str) -> str:
     return f"tl.where(tl.abs({a}) >= 8388608.0, {a}, {signed})"
 
 
+#: selu's constants, as PyTorch's kernel has them (its negative branch scales by their product).
+SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _elu(a: str, alpha: str, input_scale: str) -> str:
+    """ELU (and CELU, ``input_scale`` 1 / alpha): x above 0, else alpha * expm1(x * input_scale)."""
+    return f"tl.where({a} > 0.0, {a}, expm1_f32({a} * {input_scale}) * {alpha})"
+
+
+def _selu(a: str) -> str:
+    return f"tl.where({a} > 0.0, {a} * {SELU_SCALE!r}, expm1_f32({a}) * {SELU_ALPHA * SELU_SCALE!r})"
+
+
+def _mish(a: str) -> str:
+    """``x * tanh(log1p(exp(x)))``, as PyTorch's kernel (no softplus threshold)."""
+    return f"{a} * {expr('tanh', expr('log1p', f'tl.exp({a})'))}"
+
+
+def _log_sigmoid(a: str) -> str:
+    """``min(x, 0) - log1p(exp(-|x|))``: log(sigmoid(x)) without overflow, as PyTorch's kernel."""
+    return f"tl.minimum({a}, 0.0) - {expr('log1p', f'tl.exp(-tl.abs({a}))')}"
+
+
 def _gelu_tanh(a: str) -> str:
     inner = f"{SQRT_2_OVER_PI!r} * ({a} + 0.044715 * {a} * {a} * {a})"  # as PyTorch: x + k * x^3
     return f"0.5 * {a} * (1.0 + {expr('tanh', inner)})"
@@ -191,6 +214,13 @@ _ENTRIES = [
     Op("gelu", POINTWISE, 1, _gelu, params=("approximate",)),
     Op("gelu_tanh", POINTWISE, 1, _gelu_tanh, helpers=("expm1_f32", "tanh_f32")),
     Op("erf", POINTWISE, 1, "tl.erf({a})"),
+    Op("leaky_relu", POINTWISE, 2, "tl.where({a} > 0.0, {a}, {a} * {b})", params=("negative_slope",)),
+    Op("elu", POINTWISE, 3, _elu, helpers=("expm1_f32",), params=("alpha",)),  # (x, alpha, input scale)
+    Op("selu", POINTWISE, 1, _selu, helpers=("expm1_f32",)),
+    Op("hardsigmoid", POINTWISE, 1, "tl.minimum(tl.maximum({a} + 3.0, 0.0), 6.0) / 6.0"),
+    Op("hardswish", POINTWISE, 1, "{a} * tl.minimum(tl.maximum({a} + 3.0, 0.0), 6.0) / 6.0"),
+    Op("mish", POINTWISE, 1, _mish, helpers=("expm1_f32", "tanh_f32")),
+    Op("log_sigmoid", POINTWISE, 1, _log_sigmoid),
     Op("sin", POINTWISE, 1, "tl.sin({a})"),
     Op("cos", POINTWISE, 1, "tl.cos({a})"),
     Op("square", POINTWISE, 1, "{a} * {a}"),

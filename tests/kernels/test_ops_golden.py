@@ -100,6 +100,18 @@ POINTWISE = {
     "bool->float": (lambda h: (h > 0).to(h.dtype) * h, ["to"], 2.0),
     "~": (lambda h: ~(h > 0.5), ["invert"], 2.0),
     "~ &": (lambda h: ~(h > 0.5) & (h > -0.5), ["invert", "and_"], 2.0),
+    "leaky_relu": (lambda h: F.leaky_relu(h, 0.2), ["leaky_relu"], 3.0),
+    "nn.LeakyReLU": (nn.LeakyReLU(), ["leaky_relu"], 3.0),
+    "elu": (F.elu, ["elu"], 3.0),
+    "elu(alpha)+1": (lambda h: F.elu(h, 0.5) + 1.0, ["elu"], 3.0),  # linear attention's feature map
+    "celu": (lambda h: F.celu(h, 2.0), ["celu"], 3.0),
+    "selu": (nn.SELU(), ["selu"], 3.0),
+    "hardtanh": (lambda h: F.hardtanh(h, -0.5, 2.0), ["hardtanh"], 3.0),
+    "relu6": (nn.ReLU6(), ["hardtanh"], 5.0),  # nn.ReLU6 calls F.hardtanh(x, 0, 6)
+    "hardsigmoid": (F.hardsigmoid, ["hardsigmoid"], 5.0),
+    "hardswish": (nn.Hardswish(), ["hardswish"], 5.0),
+    "mish": (F.mish, ["mish"], 5.0),
+    "logsigmoid": (F.logsigmoid, ["log_sigmoid"], 5.0),
     "round": (lambda h: torch.round(h * 8.0), ["round"], 3.0),
     "round(ties)": (lambda h: torch.floor(h * 4.0).mul(0.5).round(), ["round"], 3.0),  # k/2: half to even
     "trunc": (lambda h: torch.trunc(h * 3.0), ["trunc"], 3.0),
