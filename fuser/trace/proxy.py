@@ -109,6 +109,25 @@ class ShadowProxy(fx.Proxy):
 
     item = tolist = numpy = data_ptr = __int__ = __float__ = __index__ = _host_sync
 
+    # --- augmented assignment: in place on a tensor, as PyTorch does it ----------------------
+    def _in_place(method: str):
+        """``x += y`` on a traced tensor is ``x.add_(y)``, as eager runs it: a write into x that
+        its other holders see (the caller's input, a view's base) and that keeps x's dtype; on a
+        size (an int), Python's ``x = x + y``. (fx's own proxy has no in-place operators, so the
+        write would be traced as a new value.)"""
+
+        def in_place(self, other):
+            if not isinstance(self.shadow[0], torch.Tensor):
+                return NotImplemented
+            return self.tracer.create_proxy("call_method", method, (self, other), {})
+
+        return in_place
+
+    __iadd__, __isub__, __imul__ = _in_place("add_"), _in_place("sub_"), _in_place("mul_")
+    __itruediv__, __ifloordiv__, __imod__ = _in_place("div_"), _in_place("floor_divide_"), _in_place("remainder_")
+    __ipow__, __iand__, __ior__, __ixor__ = _in_place("pow_"), _in_place("bitwise_and_"), _in_place("bitwise_or_"), _in_place("bitwise_xor_")
+    del _in_place
+
     def __setitem__(self, index, value):
         self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 

@@ -21,6 +21,9 @@ Two levels:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import torch
 
 #: dtype -> (rtol, atol), for one fused chain
@@ -53,6 +56,22 @@ def mismatch(actual, expected, what: str = "value", level: dict = KERNEL, tol_dt
             return f"{what}: structure differs"
         for i, (a, e) in enumerate(zip(actual, expected)):
             problem = mismatch(a, e, f"{what}[{i}]", level, tol_dtype)
+            if problem:
+                return problem
+        return None
+    if isinstance(expected, Mapping):  # a dict, transformers' ModelOutput
+        if not isinstance(actual, Mapping) or list(actual) != list(expected):
+            return f"{what}: keys differ"
+        for key, e in expected.items():
+            problem = mismatch(actual[key], e, f"{what}[{key!r}]", level, tol_dtype)
+            if problem:
+                return problem
+        return None
+    if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
+        if type(actual) is not type(expected):
+            return f"{what}: got {type(actual).__name__}, expected {type(expected).__name__}"
+        for field in dataclasses.fields(expected):
+            problem = mismatch(getattr(actual, field.name), getattr(expected, field.name), f"{what}.{field.name}", level, tol_dtype)
             if problem:
                 return problem
         return None

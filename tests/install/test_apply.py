@@ -282,6 +282,32 @@ def test_check_compares_unsorted_topk_picks_in_one_order():
     assert not result.ok and any(p.startswith("output") for p in result.problems), result.text()
 
 
+@dataclasses.dataclass
+class Pair:
+    scaled: torch.Tensor
+    shifted: torch.Tensor
+
+
+class DictOut(nn.Module):
+    def forward(self, x):
+        return {"scaled": torch.sigmoid(x) * 3.0, "shifted": x * 2.0 + 1.0}
+
+
+class DataclassOut(nn.Module):
+    def forward(self, x):
+        return Pair(torch.sigmoid(x) * 3.0, x * 2.0 + 1.0)
+
+
+@pytest.mark.parametrize("module", [DictOut(), DataclassOut()], ids=lambda m: type(m).__name__)
+def test_check_compares_outputs_in_a_dict_or_a_dataclass(module):
+    x = torch.randn(5, 33, generator=torch.Generator().manual_seed(1))
+    result = fuser.check(module, (x,))
+    assert result.ok, result.text()
+    with spied_launches(corrupt="generic"):  # a wrong kernel fails it, naming the field
+        result = fuser.check(module, (x,), validate=False)
+    assert not result.ok and any(p.startswith(("output['", "output.")) for p in result.problems), result.text()
+
+
 # ---------------------------------------------------------------------------------------------
 # A forward set on the instance (a wrapper or hook installed as ``module.forward``)
 # ---------------------------------------------------------------------------------------------

@@ -226,6 +226,62 @@ def test_a_factory_given_a_traced_size_one_by_one_is_traced_with_the_size_symbol
 # ---------------------------------------------------------------------------------------------
 
 
+class AugmentedOnAnInput(nn.Module):
+    def forward(self, x, r):
+        x += r  # the caller's tensor changes, as in eager
+        return x * 2
+
+
+class AugmentedThroughAView(nn.Module):
+    def forward(self, x, r):
+        h = x * 2
+        left = h[:, :4]
+        left *= r[:, :4]  # writes h
+        return h + 1
+
+
+class AugmentedKeepsItsDtype(nn.Module):
+    def forward(self, x, r):
+        h = x * 2
+        h += r.float()  # h stays bf16: in place, no promotion
+        return h * 3
+
+
+class AugmentedOnAFreshValueAndASize(nn.Module):
+    def forward(self, x, r):
+        h = x * 2
+        h += r
+        n = x.shape[0]
+        n += 1  # an int: n = n + 1
+        return h.relu().view(n - 1, -1)
+
+
+@pytest.mark.parametrize(
+    "module", [AugmentedOnAnInput(), AugmentedThroughAView(), AugmentedKeepsItsDtype()], ids=lambda m: type(m).__name__
+)
+def test_augmented_assignment_on_a_traced_tensor_writes_in_place_as_eager(module):
+    x, r = torch.randn(5, 8).bfloat16(), torch.randn(5, 8).bfloat16()
+    result = fuser.check(module, (x.clone(), r))
+    assert result.ok, result.problems
+    fused_x, eager_x = x.clone(), x.clone()
+    expected = module(eager_x, r)
+    fuser.apply(module, (x.clone(), r))
+    try:
+        got = module(fused_x, r)
+    finally:
+        fuser.restore(module)
+    assert got.dtype == expected.dtype and torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(fused_x, eager_x)  # the input as eager left it
+
+
+def test_augmented_assignment_on_a_fresh_value_fuses_as_its_out_of_place_form():
+    module = AugmentedOnAFreshValueAndASize()
+    x, r = torch.randn(5, 8), torch.randn(5, 8)
+    result = fuser.check(module, (x, r))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1 and not result.report.unfused, result.report.text()
+
+
 class Writes(nn.Module):
     def __init__(self):
         super().__init__()
