@@ -102,6 +102,11 @@ class ShadowProxy(fx.Proxy):
         raise refuse("iteration over a traced tensor", "Index it explicitly or make it an opaque leaf.")
 
     def _host_sync(self, *args, **kwargs):
+        if isinstance(self.shadow[0], int):
+            raise refuse(
+                "int() of a size that follows the batch (a Python int would fix it at the traced size)",
+                "Use the size as it is (x.shape[0]) in the tensor ops that take it.",
+            )
         raise refuse(
             "a host read of a traced tensor (.item()/.tolist()/data_ptr(); a sync the graph cannot replay)",
             "Keep it on the device, or move this code into an opaque leaf (@fuser.opaque).",

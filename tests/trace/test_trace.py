@@ -109,6 +109,18 @@ def test_host_reads_are_refused_with_file_and_line(module, marker):
     assert "host read" in message
 
 
+class IntOfTheTokenCount(nn.Module):
+    def forward(self, x):
+        return x.view(int(x.shape[0]), 2, 4).sum(-1)  # REFUSE-INT-SIZE
+
+
+def test_int_of_the_token_count_is_refused_as_what_it_is():
+    with pytest.raises(fuser.TraceRefused) as excinfo:
+        trace(IntOfTheTokenCount(), (torch.randn(3, 8),))
+    message = assert_refused_at(excinfo, "REFUSE-INT-SIZE")
+    assert "int() of a size that follows the batch" in message and "host read" not in message
+
+
 def test_refusal_does_not_touch_the_inputs():
     x = torch.randn(3, 8)
     before = x.clone()
