@@ -65,7 +65,43 @@ def rewrite(graph: fx.Graph, shadows: dict[str, tuple[Any, Any]], state: Iterabl
             _concatenation(graph, node, shadows)
     for node in list(graph.nodes):
         if node.op in ("call_function", "call_method") and node.target in _NEW_BUFFERS:
+            _in_place_on_whole_views(graph, node, shadows)
             _whole_writes(graph, node, shadows)
+
+
+def _in_place_on_whole_views(graph: fx.Graph, buffer: fx.Node, shadows) -> None:
+    """``buf[:, :] /= s`` on a new buffer, traced as eager runs it (``v = buf[:, :]``,
+    ``d = v.div_(s)``, ``buf[:, :] = d``): the write of ``v.div(s)``, where the out-of-place
+    form keeps v's shape and dtype, so that :func:`_whole_writes` reads it as a value."""
+    for view in [u for u in buffer.users if _whole_view(u, buffer)]:
+        for write in list(view.users):
+            name = _out_of_place_name(write.target) if write.op == "call_method" else None
+            if name is None or name in _SHAPE_AND_DTYPE_KEPT or write.args[0] is not view or write.kwargs:
+                continue
+            (store,) = write.users if len(write.users) == 1 else (None,)
+            if store is None or not _whole_write(store, buffer) or store.args[2] is not write:
+                continue
+            if not _keeps_shape_and_dtype(write, shadows):
+                continue
+            with graph.inserting_before(write):
+                value = graph.call_method(name, write.args)
+            value.meta = dict(write.meta)
+            shadows[value.name] = tuple(v.clone() for v in shadows[write.name])  # its own memory, as out of place
+            store.replace_input_with(write, value)
+            graph.erase_node(write)
+
+
+def _keeps_shape_and_dtype(write: fx.Node, shadows) -> bool:
+    """Does the out-of-place form of in-place ``write`` give its target's shape and dtype at
+    both traced sizes (no promotion, no broadcast past the target)?"""
+    for which in (0, 1):
+        target = shadows[write.args[0].name][which]
+        operands = [shadows[a.name][which] for a in write.all_input_nodes]
+        if any(not isinstance(o, torch.Tensor) or o.dtype != target.dtype for o in operands):
+            return False
+        if torch.broadcast_shapes(*(o.shape for o in operands)) != target.shape:
+            return False
+    return True
 
 
 def _whole_writes(graph: fx.Graph, buffer: fx.Node, shadows) -> None:

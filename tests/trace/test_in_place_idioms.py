@@ -295,6 +295,38 @@ def test_a_buffer_written_whole_reads_each_writes_value_from_it_on():
         torch.testing.assert_close(fused_output(module, (x,)), expected)
 
 
+class ScaledInPlaceThroughAWholeView(nn.Module):
+    """``buf[:, :] /= ...``, traced as eager runs it: a whole view, its ``div_``, the write back."""
+
+    def __init__(self, divisor_dtype=None):
+        super().__init__()
+        self.divisor_dtype = divisor_dtype
+
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8), dtype=x.dtype)
+        buf[:, :] = x * 2.0
+        divisor = buf[:, :].sum(-1, keepdim=True) ** 2 + 1.0
+        buf[:, :] /= divisor if self.divisor_dtype is None else divisor.to(self.divisor_dtype)
+        return buf
+
+
+def test_a_buffer_scaled_in_place_through_a_whole_view_is_one_kernel():
+    x = torch.randn(5, 8)
+    module = ScaledInPlaceThroughAWholeView()
+    assert "div_" not in _ops(module, x) and "setitem" not in _ops(module, x)
+    result = fuser.check(module, (x,))
+    assert result.ok, result.problems
+    assert result.report.launches_after == 1, result.report.text()
+
+
+def test_an_in_place_op_through_a_whole_view_that_would_promote_stays_a_write():
+    x = torch.randn(5, 8).bfloat16()
+    module = ScaledInPlaceThroughAWholeView(torch.float32)  # bf16 /= fp32: bf16 in place, fp32 out of place
+    assert "div_" in _ops(module, x)
+    result = fuser.check(module, (x,))
+    assert result.ok, result.problems
+
+
 class WrittenInPart(nn.Module):
     def forward(self, x):
         buf = torch.zeros((x.shape[0], 8))
