@@ -105,31 +105,19 @@ def _keeps_shape_and_dtype(write: fx.Node, shadows) -> bool:
 
 
 def _whole_writes(graph: fx.Graph, buffer: fx.Node, shadows) -> None:
-    """A new buffer written whole, each time by a value of its shape, and otherwise read
-    (directly, or through whole views used before the next write): every read after a write
-    reads that write's value (cast to the buffer's dtype), and the writes go."""
+    """A new buffer written whole, each time by a value of its shape, and otherwise only read:
+    every read after a write reads that write's value (cast to the buffer's dtype), and the
+    writes go. A view of the buffer (any spelling: its memory) must be used before the next
+    write, as it would see that write; nothing may write through one, nor a leaf take one."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    writes, views, reads = [], [], []
-    for user in sorted(buffer.users, key=order.get):
-        if _whole_write(user, buffer):
-            writes.append(user)
-        elif _whole_view(user, buffer):
-            views.append(user)
-        elif writes_into(user, buffer) or user.op == "call_method" and user.target in _VIEW_METHODS:
-            return  # a part written, or a view that may be written through
-        elif _opaque(user):
-            return  # a leaf may write what it is given
-        else:
-            reads.append(user)
-    if not writes:
+    writes = sorted((u for u in buffer.users if _whole_write(u, buffer)), key=order.get)
+    if not writes or _written_later(buffer, set(writes), shadows) or any(_opaque(u) for u in buffer.users):
         return
     marks = [order[w] for w in writes]
-    for view in views:  # a whole view is the buffer until the next write
-        if any(_written_through(u) for u in view.users):
-            return
-        later = [m for m in marks if m > order[view]]
-        if later and any(order[u] > later[0] for u in view.users):
-            return
+    for view in _views(buffer, set(writes), shadows):
+        used = [order[view]] + [order[u] for u in view.users]
+        if any(_opaque(u) for u in view.users) or any(min(used) < m < max(used) for m in marks):
+            return  # a leaf may write it, or it is read after a write it would see
     value_of = {}
     for write in writes:
         value = write.args[2] if write.target is operator.setitem else write.args[1]
@@ -150,35 +138,38 @@ def _whole_writes(graph: fx.Graph, buffer: fx.Node, shadows) -> None:
         else:
             _fold_launch(value)  # eager's write copied it: one launch
         current[write] = value
-
-    def value_at(node: fx.Node) -> fx.Node:
-        before = [w for w in writes if order[w] < order[node]]
-        return current[before[-1]] if before else buffer
-
-    for node in views + reads:
-        if node.op == "output":
-            node.replace_input_with(buffer, current[writes[-1]])
-        elif node in views:
-            source = value_at(node)
-            if source is not buffer:
-                node.replace_all_uses_with(source)
-                graph.erase_node(node)
-        else:
-            node.replace_input_with(buffer, value_at(node))
     for write in writes:
         graph.erase_node(write)
+    for user in list(buffer.users):  # each read, the buffer as the last write before it left it
+        before = [w for w in writes if order[w] < order[user]]
+        if not before:
+            continue  # the fill
+        if _whole_view(user, buffer):
+            user.replace_all_uses_with(current[before[-1]])
+            graph.erase_node(user)
+        else:
+            user.replace_input_with(buffer, current[before[-1]])
     if not buffer.users:
         if buffer.target not in _EMPTIES:
             _fold_launch(current[writes[0]])  # eager's fill
         graph.erase_node(buffer)
 
 
+def _views(buffer: fx.Node, writes: set, shadows) -> set[fx.Node]:
+    """The nodes whose value is ``buffer``'s memory (views of it, views of those), but ``writes``."""
+    storage = _storage(shadows[buffer.name][0])
+    found, pending = set(), [buffer]
+    while pending:
+        for user in pending.pop().users:
+            value = shadows.get(user.name, (None,))[0]
+            if user not in writes and user not in found and isinstance(value, torch.Tensor) and _storage(value) == storage:
+                found.add(user)
+                pending.append(user)
+    return found
+
+
 def _fold_launch(node: fx.Node) -> None:
     node.meta[FOLDED_LAUNCHES] = node.meta.get(FOLDED_LAUNCHES, 0) + 1
-
-
-_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "flatten", "unsqueeze", "squeeze", "expand", "narrow",
-                 "select", "unflatten", "view_as", "t", "split", "chunk", "unbind", "as_strided", "diagonal"}  # fmt: skip
 
 
 def _whole_index(index) -> bool:
@@ -201,15 +192,6 @@ def _whole_view(node: fx.Node, buffer: fx.Node) -> bool:
         node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
         and node.args[0] is buffer and _whole_index(node.args[1])
     )  # fmt: skip
-
-
-def _written_through(user: fx.Node) -> bool:
-    """Might ``user`` write into its input (or keep a view of it that something writes)?"""
-    if user.op == "call_function" and user.target in (operator.setitem, operator.getitem):
-        return True
-    if user.op == "call_method" and (str(user.target).endswith("_") or user.target in _VIEW_METHODS):
-        return True
-    return "out" in user.kwargs or _opaque(user)
 
 
 def _replaces(value: fx.Node, buffer: fx.Node, write: fx.Node, shadows) -> bool:
@@ -321,15 +303,11 @@ def _out_of_place(graph: fx.Graph, write: fx.Node, shadows, superseded: set, kep
     before, after = shadows[target.name], shadows[write.name]
     if not all(isinstance(v, torch.Tensor) for v in (*before, *after)) or before[0].shape == before[1].shape:
         return  # not a tensor that follows the tokens (a value computed once may be precomputed)
+    if _out_of_place_name(write.target) not in _SHAPE_AND_DTYPE_KEPT and not _keeps_shape_and_dtype(write, shadows):
+        return  # the out-of-place form would promote or broadcast
     order = {n: i for i, n in enumerate(graph.nodes)}
     for which in (0, 1):
         value = before[which]
-        operands = [shadows[a.name][which] for a in write.all_input_nodes]
-        if _out_of_place_name(write.target) not in _SHAPE_AND_DTYPE_KEPT:
-            if any(not isinstance(o, torch.Tensor) or o.dtype != value.dtype for o in operands):
-                return  # the out-of-place form would promote
-            if torch.broadcast_shapes(*(o.shape for o in operands)) != value.shape:
-                return
         storage = _storage(value)
         if storage in kept:
             return  # the module's own state: the write must stay
@@ -387,20 +365,8 @@ def _fresh(node: fx.Node) -> bool:
 
 def _written_later(buffer: fx.Node, writes: set, shadows) -> bool:
     """Is ``buffer``, or a view of it, written by anything but ``writes``?"""
-    storage = _storage(shadows[buffer.name][0])
-    seen, pending = set(), [buffer]
-    while pending:
-        node = pending.pop()
-        for user in node.users:
-            if user in writes or user in seen:
-                continue
-            seen.add(user)
-            if writes_into(user, node):
-                return True
-            value = shadows.get(user.name, (None,))[0]
-            if isinstance(value, torch.Tensor) and _storage(value) == storage:
-                pending.append(user)  # a view: a write through it writes the buffer
-    return False
+    holders = {buffer} | _views(buffer, writes, shadows)
+    return any(writes_into(user, node) for node in holders for user in node.users if user not in writes)
 
 
 def _storage(value: torch.Tensor) -> int:

@@ -357,6 +357,24 @@ class ViewReadAfterTheNextWrite(nn.Module):
         return old + 1.0
 
 
+class PartReadAfterTheNextWrite(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8))
+        buf[:] = x * 2.0
+        part = buf[:, :4]  # a view of a part: it sees the next write too
+        buf[:] = x * 3.0
+        return part + 1.0
+
+
+class DetachedReadAfterTheNextWrite(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros((x.shape[0], 8))
+        buf[:] = x * 2.0
+        same = buf.detach()  # the buffer's memory by another spelling
+        buf[:] = x * 3.0
+        return same + 1.0
+
+
 class BothReturned(nn.Module):
     def forward(self, x):
         buf = torch.empty((x.shape[0], 8))
@@ -389,8 +407,9 @@ class ALeafWritesIt(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "module", [WrittenInPart(), WrittenWithAnInput(), WrittenByBroadcast(), ViewReadAfterTheNextWrite(), BothReturned(),
-               ValueWrittenLater(), ALeafWritesIt()],
+    "module", [WrittenInPart(), WrittenWithAnInput(), WrittenByBroadcast(), ViewReadAfterTheNextWrite(),
+               PartReadAfterTheNextWrite(), DetachedReadAfterTheNextWrite(), BothReturned(), ValueWrittenLater(),
+               ALeafWritesIt()],
     ids=lambda m: type(m).__name__,
 )  # fmt: skip
 def test_other_whole_buffer_writes_stay_writes(module):
