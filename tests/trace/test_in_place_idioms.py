@@ -349,30 +349,18 @@ class WrittenByBroadcast(nn.Module):
 
 
 class ViewReadAfterTheNextWrite(nn.Module):
+    """A view of the buffer taken between two writes and read after the second: it sees it."""
+
+    def __init__(self, view):
+        super().__init__()
+        self.view = view
+
     def forward(self, x):
         buf = torch.zeros((x.shape[0], 8))
         buf[:] = x * 2.0
-        old = buf[:, :]  # a view: it sees the next write
+        seen = self.view(buf)
         buf[:] = x * 3.0
-        return old + 1.0
-
-
-class PartReadAfterTheNextWrite(nn.Module):
-    def forward(self, x):
-        buf = torch.zeros((x.shape[0], 8))
-        buf[:] = x * 2.0
-        part = buf[:, :4]  # a view of a part: it sees the next write too
-        buf[:] = x * 3.0
-        return part + 1.0
-
-
-class DetachedReadAfterTheNextWrite(nn.Module):
-    def forward(self, x):
-        buf = torch.zeros((x.shape[0], 8))
-        buf[:] = x * 2.0
-        same = buf.detach()  # the buffer's memory by another spelling
-        buf[:] = x * 3.0
-        return same + 1.0
+        return seen + 1.0
 
 
 class BothReturned(nn.Module):
@@ -407,10 +395,11 @@ class ALeafWritesIt(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "module", [WrittenInPart(), WrittenWithAnInput(), WrittenByBroadcast(), ViewReadAfterTheNextWrite(),
-               PartReadAfterTheNextWrite(), DetachedReadAfterTheNextWrite(), BothReturned(), ValueWrittenLater(),
-               ALeafWritesIt()],
-    ids=lambda m: type(m).__name__,
+    "module", [WrittenInPart(), WrittenWithAnInput(), WrittenByBroadcast(), ViewReadAfterTheNextWrite(lambda b: b[:, :]),
+               ViewReadAfterTheNextWrite(lambda b: b[:, :4]), ViewReadAfterTheNextWrite(lambda b: b.detach()),
+               BothReturned(), ValueWrittenLater(), ALeafWritesIt()],
+    ids=["WrittenInPart", "WrittenWithAnInput", "WrittenByBroadcast", "WholeViewReadAfterTheNextWrite",
+         "PartReadAfterTheNextWrite", "DetachedReadAfterTheNextWrite", "BothReturned", "ValueWrittenLater", "ALeafWritesIt"],
 )  # fmt: skip
 def test_other_whole_buffer_writes_stay_writes(module):
     x = torch.randn(5, 8)
