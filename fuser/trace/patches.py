@@ -79,6 +79,7 @@ class shadow_isinstance:
     """
 
     def __enter__(self):
+        _settle_dynamo_builtin_tables()
         self.original = original = builtins.isinstance
 
         def shadow_isinstance(obj, classes):
@@ -94,6 +95,24 @@ class shadow_isinstance:
     def __exit__(self, *exc):
         builtins.isinstance = self.original
         return False
+
+
+def _settle_dynamo_builtin_tables() -> None:
+    """Have Dynamo list the builtins before ``isinstance`` is shadowed.
+
+    Dynamo builds its table of builtins by identity the first time it needs it, which may be
+    while a trace runs (a traced library calls into ``torch._dynamo``). Built then, the table
+    holds the shadow and not ``isinstance`` itself, and every later ``torch.compile`` in the
+    process fails on code that calls ``isinstance``.
+    """
+    try:
+        from torch._dynamo import trace_rules
+    except ImportError:
+        return
+    for name in ("_builtin_function_ids", "_builtin_constant_ids"):
+        table = getattr(trace_rules, name, None)
+        if callable(table):
+            table()
 
 
 class refuse_module_rebinding:

@@ -2,6 +2,10 @@
 
 import operator
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +170,34 @@ def test_isinstance_tensor_is_true_and_the_graph_takes_that_branch():
     assert targets == [operator.mul]
     x = torch.randn(6, 8)
     assert torch.equal(graph_module(m, traced)(x), x * 2)
+
+
+def test_torch_compile_after_the_first_trace_of_a_process_sees_the_real_isinstance():
+    """The first trace of a process may be where ``torch._dynamo`` is imported (fx imports it to
+    record stack traces); Dynamo's table of builtins must not hold the trace's ``isinstance``."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from fuser.trace.tracing import trace
+
+        class Double(torch.nn.Module):
+            def forward(self, x):
+                return x * 2
+
+        assert "torch._dynamo" not in sys.modules
+        trace(Double(), (torch.randn(3, 8),))
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def f(x):
+            return x + 1 if isinstance(x, torch.Tensor) else x
+
+        print(f(torch.zeros(2)).tolist())
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[1.0, 1.0]"
 
 
 class StaticBranches(nn.Module):
