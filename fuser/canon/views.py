@@ -117,6 +117,8 @@ def _view_of(cz, node, src, covers=()):
         return cz.make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
     if op_name(node) in ("expand", "expand_as"):
         return cz.make(node, "expand", UNIT_VIEW, (src,), {"shape": shape})
+    if _moves_only_the_tokens(cz, node, src):
+        return cz.make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
     reshapes = op_name(node) in _REORDER_FREE  # a transpose of the same sizes is no reshape
     if reshapes and out.numel() == inp.numel() and _register_reshape(cz.static_shape(src), shape):
         return cz.make(node, "reshape", UNIT_VIEW, (src,), {"shape": shape})
@@ -252,8 +254,10 @@ def index_select(cz, node):
 
 @canonical("scatter")
 def scatter(cz, node):
-    """``x.scatter(-1, index, value)`` with a scalar value and index shaped like x but for
-    the last axis: each listed column set to the value (a group or expert mask)."""
+    """``x.scatter(-1, index, value)`` with index shaped like x but for the last axis: each
+    listed column set to a scalar value (a group or expert mask), or to the source's value at
+    the index's place (``full(-inf).scatter(-1, top_indices, top_values)``: the top-k scores
+    kept in place, the rest -inf)."""
     params = bound_args(node, ("input", "dim", "index", "value"))
     x, dim, index = params.get("input"), params.get("dim"), params.get("index")
     value = params.get("value", params.get("src"))
@@ -266,6 +270,15 @@ def scatter(cz, node):
             and not params.get("reduce")
         ):  # fmt: skip
             return cz.make(node, "scatter_last", COMPUTE, (x, index, float(value)))
+    if isinstance(x, fx.Node) and isinstance(index, fx.Node) and isinstance(dim, int) and isinstance(value, fx.Node):
+        src, idx, picked = cz.value(x), cz.value(index), cz.value(value)
+        rank = src.dim()
+        if (
+            rank and dim % rank == rank - 1 and idx.dim() == rank and src.shape[:-1] == idx.shape[:-1]
+            and picked.shape == idx.shape and picked.dtype == src.dtype and rank - 1 not in cz.batch_dims(x)
+            and src.dtype in KERNEL_DTYPES and idx.dtype == torch.int64 and not params.get("reduce")
+        ):  # fmt: skip
+            return cz.make(node, "scatter_src_last", COMPUTE, (x, index, value))
     return cz.make(node, "scatter", UNSUPPORTED, tensor_args(node))
 
 
@@ -288,6 +301,23 @@ def _same_order(out: torch.Tensor, inp: torch.Tensor) -> bool:
     return [(s, t) for s, t in zip(out.shape, out.stride()) if s != 1] == [
         (s, t) for s, t in zip(inp.shape, inp.stride()) if s != 1
     ]
+
+
+def _moves_only_the_tokens(cz, node, src) -> bool:
+    """Does the view move the token dim alone (``scores.transpose(0, 1)`` of ``[T, E]``)? Each
+    token's elements keep their order, so a row program's block is the same before and after."""
+    tokens, source_tokens = cz.batch_dims(node), cz.batch_dims(src)
+    if len(tokens) != 1 or len(source_tokens) != 1:
+        return False
+    out, inp = cz.value(node), cz.value(src)
+    if out.dim() != inp.dim() or out.data_ptr() != inp.data_ptr():
+        return False
+
+    def others(value, token):
+        return [(s, t) for d, (s, t) in enumerate(zip(value.shape, value.stride())) if d != token and s != 1]
+
+    same_rows = (out.shape[tokens[0]], out.stride(tokens[0])) == (inp.shape[source_tokens[0]], inp.stride(source_tokens[0]))
+    return same_rows and others(out, tokens[0]) == others(inp, source_tokens[0])
 
 
 def _register_reshape(src: tuple, dst: tuple) -> bool:

@@ -294,6 +294,7 @@ _ENTRIES = [
     # torch.gather of a table spread over the tokens, one position per token: the table's row there
     Op("gather_table", INDEX, 2, lowering="gather_table", whole_block=True),
     Op("scatter_last", INDEX, 3, lowering="scatter_last", whole_block=True),  # x.scatter(-1, index, value)
+    Op("scatter_src_last", INDEX, 3, lowering="scatter_src_last", whole_block=True),  # x.scatter(-1, index, src)
     Op("index_add_last", INDEX, 3, lowering="index_add_last", whole_block=True),  # x.index_add(-1, index, source)
     Op("group_rows", INDEX, 1, lowering="group_rows", whole_block=True),  # a row gather's rows, k per token
     Op("topk", INDEX, 1, lowering="topk", whole_block=True),

@@ -171,7 +171,9 @@ def pad(lw, node: fx.Node, cop: COp):
 
 def moved(lw, node: fx.Node, cop: COp, src: str) -> str:
     """``src`` moved into ``node``'s block shape (broadcast, unsqueeze or register reshape)."""
-    if cop.op == "expand":
+    if cop.op == "expand":  # the dims it adds come first; the token dim is in no block
+        for _ in range(len(lw.block_shape(node)) - len(lw.block_shape(cop.args[0]))):
+            src = f"tl.expand_dims({src}, 0)"
         return f"tl.broadcast_to({src}, {lw.shape_code(node)})"
     if lw.padded(node) == lw.padded(cop.args[0]):
         return src
@@ -389,6 +391,28 @@ def scatter_last(lw, node: fx.Node, cop: COp):
         hits += f" & {expanded(f'(tl.arange(0, {picks[-1]}) < {width})', rank - 1, rank + 1)}"
     listed = f"tl.max(({hits}).to(tl.int32), axis={rank - 1}) > 0"
     return lw.emit(node, f"tl.where({listed}, {float(value)!r}, {lw.f32(src)})")
+
+
+@lowering("scatter_src_last")
+def scatter_src_last(lw, node: fx.Node, cop: COp):
+    """``x.scatter(-1, index, src)``: column c is ``src[j]`` for the last j whose index names c
+    (eager's order on the CPU; on the GPU eager leaves which of repeated indices wins unsaid),
+    else x's own (a one-hot test per index; padded indices name no column)."""
+    x, index, src = cop.args
+    shape, picks = lw.padded(x), lw.padded(index)
+    rank = len(shape)
+    if math.prod(picks) * shape[-1] > ONE_HOT_LIMIT:
+        raise LoweringError(f"`{node.name}`: scattering into a {shape[-1]}-wide block is too large")
+    cols = expanded(f"tl.arange(0, {shape[-1]})", rank, rank + 1)
+    places = expanded(f"tl.arange(0, {picks[-1]})", rank - 1, rank + 1)
+    hits = f"({cols} == tl.expand_dims({lw.names[index]}, {rank}))"
+    width = lw.block_shape(index)[-1]
+    if picks[-1] != width:
+        hits += f" & ({places} < {width})"
+    last = lw.local(f"{node.name}_from")
+    lw.lines.append(f"{last} = tl.max(tl.where({hits}, {places}, -1), axis={rank - 1})  # {node.name}: the index naming each column last")
+    picked = selected(f"{hits} & ({places} == tl.expand_dims({last}, {rank - 1}))", f"tl.expand_dims({lw.f32(src)}, {rank})", rank - 1)
+    return lw.emit(node, f"tl.where({last} >= 0, {picked}, {lw.f32(x)})")
 
 
 @lowering("index_add_last")

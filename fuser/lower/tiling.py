@@ -104,18 +104,13 @@ def _tile(lw, outs: list[tuple[int, ...]], leading: bool) -> Tiling | None:
     size = sizes.pop() if len(sizes) == 1 else 1
     if size <= 1 or (leading and any(len(s) < 2 for s in outs)):
         return None
-    for node in lw.nodes:
-        cop = lw.cops[node]
-        regrouped = cop.op == "reshape" and inserted_axes(lw.block_shape(cop.args[0]), lw.block_shape(node)) is None
-        whole = cop.op in ops.WHOLE_BLOCK and not gathered_per_column(lw, node) and not _halving(lw, node)
-        last_axis_only = whole or regrouped or _is_complex(lw.traced.value(node))
-        if last_axis_only and not leading:
-            return None
     axis: dict[fx.Node, int | None] = {n: 0 if leading else len(shape) - 1 for n, shape in zip(lw.outputs, outs)}
     scale: dict[fx.Node, int] = {}
     for node in reversed(lw.nodes):
         mine = axis.setdefault(node, None)
         cop = lw.cops[node]
+        if mine is not None and not leading and _needs_its_last_axis_whole(lw, node, cop):
+            return None  # (one the tiled axis does not reach, broadcast along it, each tile computes whole)
         wide = scale.setdefault(node, 1)
         source_wide = wide * (2 if _halving(lw, node) else 1)
         for arg in cop.args:
@@ -127,6 +122,14 @@ def _tile(lw, outs: list[tuple[int, ...]], leading: bool) -> Tiling | None:
             if theirs is not None and scale.setdefault(arg, source_wide) != source_wide:
                 return None  # read at two widths
     return Tiling(size, leading, axis, scale)
+
+
+def _needs_its_last_axis_whole(lw, node: fx.Node, cop: COp) -> bool:
+    """Does ``node`` read its block's last axis whole (a top-k, a scatter, a reshape that
+    regroups it, complex values)?"""
+    regrouped = cop.op == "reshape" and inserted_axes(lw.block_shape(cop.args[0]), lw.block_shape(node)) is None
+    whole = cop.op in ops.WHOLE_BLOCK and not gathered_per_column(lw, node) and not _halving(lw, node)
+    return whole or regrouped or _is_complex(lw.traced.value(node))
 
 
 def _halving(lw, node: fx.Node) -> bool:
@@ -151,9 +154,9 @@ def gathered_per_column(lw, node: fx.Node) -> bool:
 
 def _arg_axis(lw, node, cop: COp, arg: fx.Node, mine, size):
     """Which axis of ``arg`` feeds the tiled axis ``mine`` of ``node`` (or "conflict")."""
-    shape, src = lw.block_shape(node), lw.block_shape(arg)
     if mine is None:
         return None
+    shape, src = lw.block_shape(node), lw.block_shape(arg)
     if gathered_per_column(lw, node):
         if arg is not cop.args[0]:
             return None  # the index: one position per row

@@ -212,6 +212,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("in_place_idioms", tracing.in_place_idioms, "in-place spellings of a value (out.add_(b) on a fresh out) as one functional op", inside="trace"),
     Pass("attention_calls", tracing.attention_calls, "sdpa calls given the un-repeated heads and an additive mask", inside="trace"),
     Pass("per_slice_norms", tracing.per_slice_norms, "a LayerNorm per slice of a tensor, weights per slice, as one LayerNorm with the weights stacked", inside="trace"),
+    Pass("repeated_rows", tracing.repeated_rows, "the token rows repeated block by block (x.repeat(E, 1)) and the elementwise ops over them, over [blocks, tokens, ...]", inside="trace"),
     Pass("canonicalize", canonicalize_ops, "each node's canonical op", required=True),
     Pass("growing_state", planning_pass(passes.hold_growing_state), "glue at the length of a cache that grows each call (a dynamic cache) kept eager"),
     Pass("fuse_patterns", planning_pass(passes.fuse_patterns), "each pattern match a region and its kernel"),

@@ -40,6 +40,7 @@ from fuser.trace import in_place_idioms as idioms
 from fuser.trace.attention_calls import AttentionRewrite, rewrite_attention_calls
 from fuser.trace.leaves import AutomaticLeaf, compiled_functions, leaf_after, opaque_functions
 from fuser.trace.per_slice_norms import per_slice_norms
+from fuser.trace.repeated_rows import repeated_rows
 from fuser.trace.tracer import ShadowTracer
 from fuser.trace.token_dims import batch_dims_of, grown as grown_inputs, held_inputs_hint, infer_batch_inputs, rows_per_token
 from fuser.trace.call_spec import CallSpec, StateRead, copy_state
@@ -254,7 +255,7 @@ def attention_calls(graph: fx.Graph, shadows: dict, state: list) -> list[Attenti
 #: The graph rewrites a trace ends with, in order: each takes the graph, the shadows and the
 #: module's parameters and buffers, and returns the attention calls it changed. The pipeline's
 #: pass list (:mod:`fuser.pipeline.pass_list`) names them in this order (a test keeps the two so).
-REWRITES: tuple[Callable, ...] = (in_place_idioms, attention_calls, per_slice_norms)
+REWRITES: tuple[Callable, ...] = (in_place_idioms, attention_calls, per_slice_norms, repeated_rows)
 
 
 def _getters_changed(reads: Iterable[StateRead], values: dict[str, Any]) -> set[tuple]:

@@ -1,7 +1,7 @@
 """Golden outputs of the glue ops lowered beside the op table's first ones: ``repeat``, row
 gathers by computed positions (``table[pos]``, ``index_select``, ``torch.gather``), ``F.pad``
-with a constant, ``cumsum`` along a short axis, p-norms, ``index_add`` along the last axis, and
-concatenations of many computed parts.
+with a constant, ``cumsum`` along a short axis, p-norms, ``index_add`` and ``scatter`` of values
+along the last axis, and concatenations of many computed parts.
 
 Each case is a small module that uses the op as model code does, between elementwise ops. It is
 fused with ``fuser.apply`` at T=3 and called at T in {1, 5}; its output must match the eager
@@ -232,6 +232,44 @@ def test_index_add_along_the_tokens_stays_eager_with_its_reason():
         fuser.restore(module)
     (left,) = [u for u in report.unfused if u.op.startswith("index_add")]
     assert "over tokens" in left.op, report.text()
+
+
+# --- scatter of values along the last axis --------------------------------------------------------
+class TopScoresKept(nn.Module):
+    """Llama-4's router: the top-k scores kept in place, the rest -inf, then a sigmoid."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x, r):
+        logits = x + r
+        top, where = torch.topk(logits, self.k, dim=1)
+        kept = torch.full_like(logits, float("-inf")).scatter_(1, where, top)
+        return torch.sigmoid(kept.float()).to(x.dtype)
+
+
+class ScatterAtGivenPlaces(nn.Module):
+    """Each row's values put at the columns its index row names (distinct within a row)."""
+
+    def forward(self, x, index, s):
+        return (x * 2.0).scatter(-1, index, s + 1.0) - 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width,k", [(3, 1), (37, 2), (130, 8)])
+def test_top_values_scattered_into_their_places(width, k, dtype):
+    fused_matches(TopScoresKept(k), pair(dtype, width), ["topk", "scatter", "sigmoid"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [5, 37])
+def test_values_scattered_at_an_index_per_row(width, dtype):
+    def make(T):
+        places = torch.stack([torch.randperm(width, generator=gen(T + j))[:3] for j in range(T)])
+        return randn(gen(T), T, width, dtype=dtype), places, randn(gen(T + 50), T, 3, dtype=dtype)
+
+    fused_matches(ScatterAtGivenPlaces(), make, ["scatter"])
 
 
 # --- concatenations of many parts ----------------------------------------------------------------

@@ -819,3 +819,27 @@ class SoftmaxInFp32(nn.Module):
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_softmax_with_an_fp32_dtype(dtype):
     golden("generic", SoftmaxInFp32(), lambda T: (randn(gen(T), T, 37, dtype=dtype, scale=3.0),), softmax_in_fp32, template="row_reduce")
+
+
+class RoutedInput(nn.Module):
+    """Llama-4's routed-expert input as transformers writes it: every expert's copy of the
+    tokens, block by block (row e·T + t), each row times that token's score for that expert."""
+
+    def forward(self, hidden, scores):
+        routed = hidden.repeat(scores.shape[1], 1)
+        return routed * scores.transpose(0, 1).reshape(-1, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E,H", [(2, 64), (3, 100), (16, 96)])
+def test_rows_repeated_per_expert_times_their_scores_are_one_kernel(E, H, dtype):
+    """The repeat and the product over [E·T, H] rows run as one kernel over [E, T, H]."""
+
+    def reference(hidden, scores):  # each expert's block: the tokens times that expert's scores
+        return torch.cat([hidden * scores[:, e : e + 1] for e in range(E)])
+
+    golden(
+        "generic", RoutedInput(),
+        lambda T: (randn(gen(T), T, H, dtype=dtype), randn(gen(T + 1), T, E, dtype=dtype).sigmoid()),
+        reference, template="pointwise",
+    )  # fmt: skip

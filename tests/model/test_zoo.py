@@ -197,14 +197,8 @@ BOUNDS = {
 
 # Layers whose glue the chain structure says fuses further than fuser fuses it today: the
 # honest bound stays, the case fails until the op named lowers.
-_LLAMA4_ROUTING = (
-    "the tokens' repeat per expert (hidden.repeat(E, 1)), the routing scores' transposed reshape "
-    "(a copy) and the weighting by them left eager: no template lowers repeat, so the stretch from "
-    "the router to the experts' bmm does not fuse"
-)
 NOT_YET = {
-    "llama4_proj": _LLAMA4_ROUTING,
-    "llama4": _LLAMA4_ROUTING + "; and the RoPE + L2 norm of q and of k are two kernels",
+    "llama4": "the complex RoPE + L2 norm of q and of k are two kernels, where both read freqs_cis",
 }
 
 

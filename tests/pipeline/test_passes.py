@@ -17,6 +17,7 @@ NAMES = [
     "in_place_idioms",
     "attention_calls",
     "per_slice_norms",
+    "repeated_rows",
     "canonicalize",
     "growing_state",
     "fuse_patterns",
@@ -94,7 +95,7 @@ def test_the_list_names_every_step_in_order():
     assert [p.name for p in PASS_LIST] == NAMES
     assert [p.name for p in PASS_LIST if p.required] == REQUIRED
     assert switchable() == [n for n in NAMES if n not in REQUIRED and n != "install_copies"]
-    assert [p.name for p in PASS_LIST if p.inside == "trace"] == ["in_place_idioms", "attention_calls", "per_slice_norms"]
+    assert [p.name for p in PASS_LIST if p.inside == "trace"] == ["in_place_idioms", "attention_calls", "per_slice_norms", "repeated_rows"]
     # trace() by itself runs the rewrites the list gives it, in the list's order
     assert tracing.REWRITES == tuple(p.run for p in PASS_LIST if p.inside == "trace")
     text = describe()
