@@ -93,7 +93,8 @@ def siblings(builder: RegionBuilder, a: Region, b: Region, traced) -> bool:
 
 
 def _activation_or_positions(value) -> bool:
-    return value.is_floating_point() or value.dtype in (torch.int64, torch.int32)
+    """Floating-point or complex values (Llama-4's rotary ``freqs_cis``), and positions."""
+    return value.is_floating_point() or value.is_complex() or value.dtype in (torch.int64, torch.int32)
 
 
 def merged(builder: RegionBuilder, a: Region, b: Region) -> Region | None:

@@ -197,9 +197,7 @@ BOUNDS = {
 
 # Layers whose glue the chain structure says fuses further than fuser fuses it today: the
 # honest bound stays, the case fails until the op named lowers.
-NOT_YET = {
-    "llama4": "the complex RoPE + L2 norm of q and of k are two kernels, where both read freqs_cis",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _cases(names):
