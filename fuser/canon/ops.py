@@ -1,5 +1,5 @@
 """ops: the canonical form of ops with more than one spelling or a result in parts: top-k,
-GELU, hardtanh and the activations with a slope, masked_fill, layer_norm, rms_norm, max/min along a dim, sort, histc, cumsum, stack,
+GELU, hardtanh and the activations with a slope, the shrinks, threshold, lerp, addcmul / addcdiv, masked_fill, layer_norm, rms_norm, max/min along a dim, sort, histc, cumsum, stack,
 repeat_interleave, repeat, pad, p-norms and F.normalize, index_add, and constants. Each function takes the canonicaliser
 (:class:`fuser.canon.canonicalize.Canonicalizer`) explicitly and is registered under the op
 name it canonicalises (:mod:`fuser.canon.registry`)."""
@@ -68,6 +68,51 @@ def with_slope(cz, node):
     if name == "leaky_relu":
         return cz.make(node, "leaky_relu", COMPUTE, (node.args[0], float(value)))
     return cz.make(node, "elu", COMPUTE, (node.args[0], float(value), 1.0 / value if name == "celu" else 1.0))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@canonical("hardshrink", "softshrink")
+def shrink(cz, node):
+    """``F.hardshrink(x, lambd)`` and ``F.softshrink(x, lambd)`` (lambd 0.5 by default)."""
+    name = op_name(node)
+    lambd = bound_args(node, ("input", "lambd")).get("lambd", 0.5)
+    if not _number(lambd):
+        return cz.make(node, name, UNSUPPORTED, tensor_args(node))
+    return cz.make(node, name, COMPUTE, (node.args[0], float(lambd)))
+
+
+@canonical("threshold", "_threshold")
+def threshold(cz, node):
+    """``F.threshold(x, threshold, value)``: x where above the threshold, else the value."""
+    params = bound_args(node, ("input", "threshold", "value", "inplace"))
+    bound, value = params.get("threshold"), params.get("value")
+    if params.get("inplace") or not _number(bound) or not _number(value):
+        return cz.make(node, "threshold", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "threshold", COMPUTE, (node.args[0], float(bound), float(value)))
+
+
+@canonical("lerp")
+def lerp(cz, node):
+    """``torch.lerp(start, end, weight)``, the weight a number or a tensor."""
+    params = bound_args(node, ("input", "end", "weight"))
+    start, end, weight = params.get("input"), params.get("end"), params.get("weight")
+    if not isinstance(start, fx.Node) or not isinstance(end, fx.Node) or not (isinstance(weight, fx.Node) or _number(weight)):
+        return cz.make(node, "lerp", UNSUPPORTED, tensor_args(node))
+    return cz.make(node, "lerp", COMPUTE, (start, end, weight if isinstance(weight, fx.Node) else float(weight)))
+
+
+@canonical("addcmul", "addcdiv")
+def add_product(cz, node):
+    """``torch.addcmul(x, a, b, value=v)`` (x + v·a·b) and ``addcdiv`` (x + v·a/b)."""
+    name = op_name(node)
+    params = bound_args(node, ("input", "tensor1", "tensor2"))
+    x, a, b, value = params.get("input"), params.get("tensor1"), params.get("tensor2"), params.get("value", 1)
+    if not all(isinstance(t, fx.Node) for t in (x, a, b)) or not _number(value):
+        return cz.make(node, name, UNSUPPORTED, tensor_args(node))
+    return cz.make(node, name, COMPUTE, (x, a, b, float(value)))
 
 
 @canonical("round")

@@ -156,6 +156,20 @@ def _softplus(a: str, beta: str, threshold: str) -> str:
 
 
 # Integer powers up to this are products, as PyTorch computes x**2 and x**3 (and exactly so).
+def _lerp(a: str, b: str, w: str) -> str:
+    """``a + w * (b - a)`` for |w| < 0.5, else ``b - (b - a) * (1 - w)``: PyTorch's two forms,
+    each exact at its end."""
+    return f"tl.where(tl.abs({w}) < 0.5, {a} + {w} * ({b} - {a}), {b} - ({b} - {a}) * (1.0 - {w}))"
+
+
+def _addcmul(x: str, a: str, b: str, value: str) -> str:
+    return f"{x} + {value} * {a} * {b}"
+
+
+def _addcdiv(x: str, a: str, b: str, value: str) -> str:
+    return f"{x} + {value} * ({a} / {b})"
+
+
 _POWER_BY_PRODUCT = 4
 
 
@@ -196,7 +210,7 @@ _REDUCE = ("dim", "keepdim")
 # --- the table ----------------------------------------------------------------------------------
 _ENTRIES = [
     # unary pointwise
-    Op("neg", POINTWISE, 1, "-{a}", spellings=("negative",), integer="-{a}"),
+    Op("neg", POINTWISE, 1, "{a} * -1.0", spellings=("negative",), integer="-{a}"),  # -0.0 for 0.0 (Triton's -x is 0 - x)
     Op("abs", POINTWISE, 1, "tl.abs({a})", spellings=("absolute",)),
     Op("exp", POINTWISE, 1, "tl.exp({a})"),
     Op("exp2", POINTWISE, 1, "tl.exp2({a})"),
@@ -229,6 +243,10 @@ _ENTRIES = [
     Op("round", POINTWISE, 1, _round, params=("decimals",)),  # decimals=0 only
     Op("trunc", POINTWISE, 1, "tl.where({a} >= 0.0, tl.floor({a}), tl.ceil({a}))", spellings=("fix",)),
     Op("sign", POINTWISE, 1, "tl.where({a} > 0.0, 1.0, tl.where({a} < 0.0, -1.0, 0.0))"),  # NaN: 0, as PyTorch
+    Op("softsign", POINTWISE, 1, "{a} / (tl.abs({a}) + 1.0)"),
+    Op("tanhshrink", POINTWISE, 1, "{a} - tanh_f32({a})", helpers=("expm1_f32", "tanh_f32")),
+    Op("sinh", POINTWISE, 1, "0.5 * (expm1_f32({a}) - expm1_f32(-{a}))", helpers=("expm1_f32",)),
+    Op("cosh", POINTWISE, 1, "0.5 * (tl.exp({a}) + tl.exp(-{a}))"),
     Op("copy", POINTWISE, 1, "{a}"),
     Op("logical_not", POINTWISE, 1, "{a} == 0", spellings=("invert", "bitwise_not"), result=BOOL_RESULT),
     # binary pointwise
@@ -241,6 +259,13 @@ _ENTRIES = [
     # the reciprocal rounded to x's dtype first (attribute ``numerator``)
     Op("rdiv", POINTWISE, 1, lowering="rdiv"),
     Op("pow", POINTWISE, 2, _pow),
+    # the sign of b's bits (-0.0 and a negative NaN included), on |a|
+    Op("copysign", POINTWISE, 2, "tl.where({b}.to(tl.int32, bitcast=True) < 0, tl.abs({a}) * -1.0, tl.abs({a}))"),
+    Op("heaviside", POINTWISE, 2, "tl.where({a} == 0.0, {b}, tl.where({a} > 0.0, 1.0, 0.0))"),
+    Op("xlogy", POINTWISE, 2, "tl.where({b} != {b}, {b}, tl.where({a} == 0.0, 0.0, {a} * tl.log({b})))"),
+    Op("hardshrink", POINTWISE, 2, "tl.where(tl.abs({a}) > {b}, {a}, 0.0)", params=("lambd",)),
+    Op("softshrink", POINTWISE, 2, "tl.where({a} > {b}, {a} - {b}, tl.where({a} < -{b}, {a} + {b}, 0.0))",
+       params=("lambd",)),  # fmt: skip
     Op("maximum", POINTWISE, 2, "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
        spellings=("max_elementwise",), commutative=True),  # fmt: skip
     Op("minimum", POINTWISE, 2, "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)", commutative=True),
@@ -258,12 +283,17 @@ _ENTRIES = [
     Op("where", POINTWISE, 3, "tl.where({a}, {b}, {c})"),
     Op("clamp", POINTWISE, 3, _clamp, spellings=("clip", "clamp_min", "clamp_max"), params=("min", "max")),
     Op("softplus", POINTWISE, 3, _softplus, params=("beta", "threshold")),
+    Op("threshold", POINTWISE, 3, "tl.where({a} > {b}, {a}, {c})"),  # F.threshold(x, threshold, value)
+    Op("lerp", POINTWISE, 3, _lerp),  # torch.lerp(start, end, weight)
+    Op("addcmul", POINTWISE, 4, _addcmul),  # torch.addcmul(x, a, b, value=v): x + v * a * b
+    Op("addcdiv", POINTWISE, 4, _addcdiv),  # torch.addcdiv(x, a, b, value=v): x + v * a / b
     Op("cast", POINTWISE, 1, lowering="cast"),  # to the dtype of the result (attribute ``dtype``)
     # reductions and normalizations over non-token axes
     Op("sum", REDUCTION, 1, lowering="reduce", params=_REDUCE),
     Op("mean", REDUCTION, 1, lowering="reduce", params=_REDUCE),
     Op("amax", REDUCTION, 1, lowering="reduce", params=_REDUCE),
     Op("amin", REDUCTION, 1, lowering="reduce", params=_REDUCE),
+    Op("logsumexp", REDUCTION, 1, lowering="logsumexp", params=_REDUCE),
     Op("argmax", REDUCTION, 1, lowering="argmax", params=_REDUCE, result=INDEX_RESULT),
     Op("argmin", REDUCTION, 1, lowering="argmax", params=_REDUCE, result=INDEX_RESULT),
     Op("softmax", NORMALIZATION, 1, lowering="softmax", params=("dim",)),

@@ -390,7 +390,7 @@ def scatter_last(lw, node: fx.Node, cop: COp):
     if picks[-1] != width:
         hits += f" & {expanded(f'(tl.arange(0, {picks[-1]}) < {width})', rank - 1, rank + 1)}"
     listed = f"tl.max(({hits}).to(tl.int32), axis={rank - 1}) > 0"
-    return lw.emit(node, f"tl.where({listed}, {float(value)!r}, {lw.f32(src)})")
+    return lw.emit(node, f"tl.where({listed}, {lw.f32(float(value))}, {lw.f32(src)})")
 
 
 @lowering("scatter_src_last")

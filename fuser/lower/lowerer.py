@@ -45,6 +45,8 @@ from fuser.trace.tracing import Traced
 
 #: The most elements a value of a chain with no token rows may have: one program holds it.
 ROWLESS_ELEMENTS = 1 << 16
+#: The most elements Triton takes in one block.
+TRITON_MAX_NUMEL = 1 << 20
 
 
 class Lowerer:
@@ -398,10 +400,14 @@ def lower_region(traced: Traced, cops, nodes, inputs, outputs, in_place=(), name
     """Lower the region's nodes (in graph order) reading ``inputs`` and writing ``outputs``
     (those in ``in_place`` into a caller's buffer); ``names``: what a matched pattern's
     reference calls some of them (:attr:`fuser.regions.builder.Region.names`), for their locals."""
+    if not outputs:
+        raise LoweringError("the chain writes nothing a later op reads")
     for node in nodes:
         if cops[node].kind not in (COMPUTE, UNIT_VIEW):
             raise LoweringError(f"`{node.name}` ({cops[node].op}) is not an elementwise or reduction op")
     program = Lowerer(traced, cops, nodes, inputs, outputs, in_place, names).lower()
+    if program.numel > TRITON_MAX_NUMEL:
+        raise LoweringError(f"a {program.numel}-element block: Triton takes at most {TRITON_MAX_NUMEL} in one")
     if program.tiled:
 
         def body_at(width: int) -> list[str]:

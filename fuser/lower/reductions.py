@@ -142,6 +142,35 @@ def reduce(lw, node: fx.Node, cop: COp):
     return lw.emit(node, expr)
 
 
+@lowering("logsumexp")
+def logsumexp(lw, node: fx.Node, cop: COp):
+    """``torch.logsumexp(x, dim)`` as PyTorch computes it: the max (±inf taken as 0), then
+    ``log(sum(exp(x - max))) + max``, each step rounded to the input's dtype as eager's own ops
+    round it (all -inf gives -inf, an inf gives inf)."""
+    src = cop.args[0]
+    axes = sorted(reduced_axes(lw, node, cop), reverse=True)
+    dtype = lw.traced.value(node).dtype
+
+    def step(expr: str) -> str:
+        return expr if dtype == torch.float32 else f"{rounded(expr, dtype)}.to(tl.float32)"
+
+    values = lw.masked(src, "float('-inf')")
+    peak = values
+    for axis in axes:
+        peak = f"tl.expand_dims(tl.max({peak}, axis={axis}), {axis})"
+    shift = lw.local(f"{node.name}_peak")
+    lw.lines.append(f"{shift} = {peak}  # {node.name}")
+    lw.lines.append(f"{shift} = tl.where(tl.abs({shift}) == float('inf'), 0.0, {shift})")
+    total = step(f"tl.exp({step(f'{values} - {shift}')})")
+    for axis in axes:
+        total = f"tl.expand_dims(tl.sum({total}, axis={axis}), {axis})"
+    expr = f"{step(f'tl.log({step(total)})')} + {shift}"
+    if not cop.attr("keepdim"):
+        for axis in axes:
+            expr = f"tl.max({expr}, axis={axis})"  # the size-1 axis dropped
+    return lw.emit(node, expr)
+
+
 @lowering("moments")
 def moments(lw, node: fx.Node, cop: COp):
     """``var`` (and ``std``, its square root) over block ``axes`` in fp32, from the centred

@@ -116,6 +116,22 @@ POINTWISE = {
     "round(ties)": (lambda h: torch.floor(h * 4.0).mul(0.5).round(), ["round"], 3.0),  # k/2: half to even
     "trunc": (lambda h: torch.trunc(h * 3.0), ["trunc"], 3.0),
     "sign": (lambda h: torch.sign(torch.relu(h) - 0.5) * h, ["sign"], 2.0),
+    "neg(0.0) is -0.0": (lambda h: torch.exp(1.0 / -torch.relu(h)), ["neg"], 2.0),  # exp(-inf), not exp(inf)
+    "softsign": (F.softsign, ["softsign"], 4.0),
+    "tanhshrink": (nn.Tanhshrink(), ["tanhshrink"], 3.0),
+    "sinh": (torch.sinh, ["sinh"], 3.0),
+    "cosh": (lambda h: torch.cosh(h) - 1.0, ["cosh"], 3.0),
+    "hardshrink": (nn.Hardshrink(), ["hardshrink"], 2.0),
+    "softshrink": (lambda h: F.softshrink(h, 0.25), ["softshrink"], 2.0),
+    "threshold": (lambda h: F.threshold(h, 0.1, -2.0), ["_threshold"], 2.0),
+    "copysign": (lambda h: torch.copysign(h, 0.5 - h), ["copysign"], 2.0),
+    "copysign(-0.0)": (lambda h: torch.copysign(h + 1.0, -torch.relu(h)), ["copysign"], 2.0),
+    "heaviside": (lambda h: torch.heaviside(torch.round(h), h * 0.5), ["heaviside"], 2.0),
+    "xlogy": (lambda h: torch.xlogy(torch.round(h), h.abs() + 0.1), ["xlogy"], 2.0),
+    "lerp": (lambda h: torch.lerp(h, h * h, 0.3), ["lerp"], 2.0),
+    "lerp(tensor weight)": (lambda h: torch.lerp(h, -h - 1.0, torch.sigmoid(h)), ["lerp"], 2.0),
+    "addcmul": (lambda h: torch.addcmul(h, h, h + 1.0, value=0.5), ["addcmul"], 2.0),
+    "addcdiv": (lambda h: h.addcdiv(h, h.abs() + 1.0, value=-0.5), ["addcdiv"], 2.0),
 }
 COMPARISONS = {
     "eq": lambda h: torch.relu(h) == 0,
@@ -244,6 +260,8 @@ REDUCING = {
     "amax": (lambda h: torch.amax(h, -1, keepdim=True), ["amax"]),
     "argmax": (lambda h: h.argmax(-1), ["argmax"]),
     "argmax(keepdim)": (lambda h: torch.argmax(h, dim=-1, keepdim=True), ["argmax"]),
+    "logsumexp": (lambda h: torch.logsumexp(h, -1, keepdim=True) - h, ["logsumexp"]),
+    "logsumexp(masked)": (lambda h: h.masked_fill(h < 0, float("-inf")).logsumexp(dim=-1) * 2.0, ["logsumexp"]),
     # a LayerNorm written by hand, and the other spellings of var and std
     "var(unbiased=False) norm": (
         lambda h: (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True, unbiased=False) + 1e-5), ["var"]),
@@ -359,6 +377,9 @@ LAYOUT = {
                               ["scatter", "topk"], ()),  # fmt: skip
     "scatter_ spread by a copying reshape": (lambda h: spread(torch.zeros_like(h).scatter_(-1, h.argmax(-1, keepdim=True), 1.0)),
                                              ["scatter", "reshape"], ()),  # fmt: skip
+    # PhiMoE's sparsemixer: the top expert masked out with -inf before the second's softmax
+    "scatter of -inf": (lambda h: h.scatter(-1, h.argmax(-1, keepdim=True), float("-inf")).softmax(-1),
+                        ["scatter", "softmax"], ()),  # fmt: skip
     "zeros_like read": (lambda h: torch.where(h > 0, h, torch.zeros_like(h)), ["zeros_like"], ()),
     "ones_like read": (lambda h: h * torch.ones_like(h) - 1, ["ones_like"], ()),
     "full_like read": (lambda h: torch.maximum(h, torch.full_like(h, -0.5)), ["full_like"], ()),

@@ -848,3 +848,33 @@ def test_rows_repeated_per_expert_times_their_scores_are_one_kernel(E, H, dtype)
         lambda T: (randn(gen(T), T, H, dtype=dtype), randn(gen(T + 1), T, E, dtype=dtype).sigmoid()),
         reference, template="pointwise",
     )  # fmt: skip
+
+
+def test_a_chain_that_writes_nothing_is_not_lowered():
+    """A region whose values nothing reads (a state updated after its last read) has no kernel
+    to make: lowering refuses it, and its ops stay eager."""
+    from fuser.lower.code import LoweringError
+    from fuser.lower.lowerer import lower_region
+
+    plan, kernel = the_plan(AddThenNorm(48, torch.bfloat16), (randn(gen(0), 3, 48, dtype=torch.bfloat16),) * 2)
+    region = kernel.region
+    with pytest.raises(LoweringError, match="writes nothing"):
+        lower_region(plan.traced, plan.cops, region.nodes, region.inputs, [])
+
+
+def test_a_block_larger_than_triton_takes_is_not_lowered():
+    """Blocks a program must hold whole (normalised over two axes, so not tiled): [16, 64, 512]
+    (2^19 elements) lowers; [64, 64, 512] (2^21: as Kimi-Linear's chunked recurrence makes) is
+    refused at lowering, not left to fail in Triton."""
+    from fuser.lower.lowerer import TRITON_MAX_NUMEL
+
+    class Outer(nn.Module):
+        def forward(self, a, b):
+            p = torch.exp(a.unsqueeze(-1) * b.unsqueeze(-2))
+            return p / p.sum(dim=(1, 3), keepdim=True)
+
+    fits = fuser.explain(Outer(), (torch.randn(2, 16, 64), torch.randn(2, 16, 512)))
+    assert fits.chains and not fits.unfused, fits.text()
+    report = fuser.explain(Outer(), (torch.randn(2, 64, 64), torch.randn(2, 64, 512)))
+    assert not report.chains and not report.rejected, report.text()
+    assert all(f"Triton takes at most {TRITON_MAX_NUMEL}" in u.reason for u in report.unfused), report.text()
