@@ -243,6 +243,18 @@ def test_more_of_transformers_layers_fuse_with_only_the_last_residual_add_left(n
     assert report.launches_after * 4 <= report.launches_before, report.text()
 
 
+def test_a_layer_the_sweep_found_failing_matches_eager_with_every_kernel_run(monkeypatch):
+    """transformers' PhiMoE layer (examples/zoo/sweep.py found it): its sparsemixer masks the
+    top expert with -inf, which a kernel once wrote as a bare ``inf`` and failed to run."""
+    from examples.zoo.sweep import spec_of
+
+    monkeypatch.setitem(zoo.UNSEEN, "phimoe", spec_of("phimoe"))
+    layer, args, kwargs = zoo.build("phimoe", T=3)
+    result = fuser.check(layer, args, example_kwargs=kwargs)
+    assert result.ok and not result.not_run, (result.problems, result.not_run)
+    assert "scatter_last" not in [u.op for u in result.report.unfused], result.report.text()
+
+
 def test_the_residual_add_and_the_norm_after_it_are_one_kernel():
     """Llama-style: `h = residual + attn; norm(h)` and `h` read again by the next residual."""
     layer, args, kwargs = zoo.FACTORIES["qwen3_proj"](T=3)
