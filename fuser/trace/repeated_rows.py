@@ -66,6 +66,8 @@ def _repeated(node: fx.Node, shadows: dict) -> tuple[int, tuple[int, int]] | Non
     an ``x`` whose dim 0 follows the tokens; None otherwise."""
     if node.op != "call_method" or node.target != "repeat" or not node.args:
         return None
+    if _written(node.args[0], shadows):
+        return None  # the repeat is a copy of x at one point of the program
     x, out = _pair(shadows, node.args[0]), _pair(shadows, node)
     if x is None or out is None or x[0].dim() != out[0].dim() or not x[0].dim():
         return None
@@ -76,6 +78,26 @@ def _repeated(node: fx.Node, shadows: dict) -> tuple[int, tuple[int, int]] | Non
     if blocks < 2 or any(o.shape != (blocks * t, *x[0].shape[1:]) for o, t in zip(out, tokens)):
         return None  # not E whole copies of the rows alone
     return blocks, tokens
+
+
+def _written(node, shadows: dict) -> bool:
+    """Is ``node``'s tensor written in place anywhere in the graph, through any view of it?"""
+    value = _pair(shadows, node)
+    if value is None:
+        return True
+    memory = value[0].untyped_storage().data_ptr()
+    for other in node.graph.nodes:
+        if _writes(other) and other.args and isinstance(other.args[0], fx.Node):
+            target = _pair(shadows, other.args[0])
+            if target is None or target[0].untyped_storage().data_ptr() == memory:
+                return True
+    return False
+
+
+def _writes(node: fx.Node) -> bool:
+    """Does ``node`` write a tensor it reads (``x.add_(...)``, ``x[i] = ...``, ``x.copy_(...)``)?"""
+    name = op_name(node)
+    return node.op in ("call_function", "call_method") and (name.endswith("_") and not name.startswith("_") or name == "setitem")
 
 
 def _elementwise_readers(seed: fx.Node, blocks: int, tokens: tuple, shadows: dict) -> list[fx.Node]:
@@ -225,7 +247,10 @@ def _source_of_blocks(node: fx.Node, blocks: int, tokens: tuple, shadows: dict) 
     view), else ``node`` itself."""
     if node.op == "call_method" and node.target in _RESHAPES and node.args:
         source = _pair(shadows, node.args[0])
-        if source is not None and all(s.dim() >= 2 and tuple(s.shape[:2]) == (blocks, t) for s, t in zip(source, tokens)):
+        if (
+            source is not None and all(s.dim() >= 2 and tuple(s.shape[:2]) == (blocks, t) for s, t in zip(source, tokens))
+            and not _written(node.args[0], shadows)
+        ):  # fmt: skip
             return node.args[0]
     return node
 

@@ -80,6 +80,16 @@ class RepeatedWeight(nn.Module):
         return x * self.w.repeat(3, 1).sum(0)
 
 
+class WrittenAfterTheRepeat(nn.Module):
+    """x is changed in place after its repeat, through a view of it: the repeat keeps the value
+    x had."""
+
+    def forward(self, x, s):
+        routed = x.repeat(s.shape[1], 1)
+        x.view(-1).mul_(2.0)
+        return routed * s.transpose(0, 1).reshape(-1, 1), x
+
+
 class RepeatReadToo(nn.Module):
     """The repeat is an output as well: it stays, and the product is still fused."""
 
@@ -110,6 +120,13 @@ def test_a_repeated_value_that_is_also_returned_is_kept():
             assert got[1].is_contiguous()
     finally:
         fuser.restore(module)
+
+
+def test_a_repeat_of_a_value_written_in_place_is_not_rewritten():
+    x, s = torch.randn(5, 16), torch.rand(5, 3)
+    result = fuser.check(WrittenAfterTheRepeat(), (x, s))
+    assert result.ok, result.problems
+    assert "repeat" in unfused_ops(result.report), result.report.text()
 
 
 def test_a_repeat_of_a_weight_is_not_rewritten():
