@@ -1,7 +1,7 @@
 """attention_calls: attention that reads its keys and values as they are, rewritten in a traced
 graph before planning: the arguments of ``F.scaled_dot_product_attention`` calls, and eager
-attention's two products. Each sdpa rewrite keeps the backend sdpa picks for the call as made
-(PyTorch's own choice, asked on the example's call), so each computes what eager does.
+attention's two products. Each sdpa rewrite but one keeps the backend sdpa picks for the call as
+made (PyTorch's own choice, asked on the example's call), so each computes what eager does.
 
 - **Grouped heads.** Keys and values whose heads were repeated for grouped-query attention
   (transformers' ``repeat_kv``: ``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``;
@@ -13,6 +13,13 @@ attention's two products. Each sdpa rewrite keeps the backend sdpa picks for the
   only where sdpa picks the same fused backend for the grouped call (cuDNN attention on an
   H200, for one); transformers passes grouped heads itself only without a mask, since the
   math backend, which repeats the heads itself, may be all that takes a masked one.
+- **One key head.** Keys and values of one head passed as they are, which sdpa broadcasts
+  over the query's heads (multi-query attention: Falcon's), keep the call on the math backend,
+  whose softmax and products run as kernels of their own. With ``enable_gqa=True`` the call is
+  the same attention, each query head against the one key head, and sdpa picks a fused
+  backend: rewritten only where it does. This is the one rewrite that changes the backend, and
+  so the rounding, of a call: ``fuser check`` compares it with eager, within the layer's
+  tolerance.
 - **Boolean masks.** sdpa turns a boolean mask into an additive one after it picks its
   backend: 0 where True and, where False, -inf (-65504 for cuDNN attention), in the query's
   dtype: three launches inside the call. The same ``where`` is put in the graph before the
@@ -53,12 +60,16 @@ class AttentionRewrite:
     mask: str = ""  # the additive mask made of its boolean one (the node), if any
     copies_removed: int = 0  # eager launches of the repeats no longer run
     matmul: bool = False  # a product of eager attention, its query heads regrouped by key head
+    backend: str = ""  # the fused backend a multi-query call takes from the math one, if any
 
     def line(self) -> str:
         done = []
         if self.grouped and self.matmul:
             done.append(f"reads the un-repeated heads, the query's {self.grouped} heads a key head as its rows: "
                         f"{self.copies_removed} copies of the repeated heads removed")  # fmt: skip
+        elif self.grouped and self.backend:
+            done.append(f"one key head read as grouped (enable_gqa, {self.grouped} query heads a key head): "
+                        f"sdpa's {self.backend} backend in place of its math one")  # fmt: skip
         elif self.grouped:
             done.append(f"keys and values read as grouped heads (enable_gqa, {self.grouped} query heads a key head): "
                         f"{self.copies_removed} copies of the repeated heads removed")  # fmt: skip
@@ -107,6 +118,9 @@ def rewrite_attention_calls(graph: fx.Graph, shadows: dict) -> list[AttentionRew
             _set(node, "value", value)
             _set(node, "enable_gqa", True)
             record.grouped, record.copies_removed = n, _erase_unused(graph, shadows, removed)
+        elif (backend := _one_head_fused(values, eager)) is not None:
+            _set(node, "enable_gqa", True)
+            record.grouped, record.backend = values["query"].shape[1], backend
         if record.grouped or record.mask:
             done.append(record)
     graph.lint()
@@ -163,6 +177,25 @@ def _additive_mask(graph: fx.Graph, traced: _Values, mask: fx.Node, fill: float,
     traced.shadows[where.name] = tuple(torch.where(m, 0.0, fill) for m in traced.shadows[mask.name])
     traced.shadows[cast.name] = tuple(w.to(dtype) for w in traced.shadows[where.name])
     return cast
+
+
+def _one_head_fused(values: dict, eager: int) -> str | None:
+    """The fused backend sdpa picks for a multi-query call (keys and values of one head, which
+    sdpa broadcasts over the query's heads: Falcon's) given ``enable_gqa=True``, where the
+    broadcast is what keeps the call as made on the math backend; else None. The attention is
+    the same, each query head against the one key head; the backend, and so its rounding,
+    is not (``fuser check`` compares it with eager)."""
+    if eager != _MATH or values.get("enable_gqa"):
+        return None
+    q, k, v = (values.get(a) for a in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return None
+    if k.shape[1] != 1 or v.shape[1] != 1 or q.shape[1] == 1:
+        return None
+    chosen = _backend({**values, "enable_gqa": True})
+    if chosen is None or chosen == _MATH:
+        return None
+    return SDPBackend(chosen).name.lower()
 
 
 def _grouped(traced: _Values, args: dict, values: dict, eager: int) -> tuple | None:

@@ -1,5 +1,6 @@
 """fuser.trace.attention_calls: sdpa calls read grouped key/value heads in place of their repeats, and
-take an additive mask made as glue in place of a boolean one; eager attention's two products
+take an additive mask made as glue in place of a boolean one; a multi-query call (one key head,
+broadcast) takes a fused backend as a grouped one; eager attention's two products
 read the un-repeated keys and values — in transformers' own attention as shipped, and in
 hand-written spellings; a head order that is not a repeat in place, and a layout whose tokens
 are not the first dim, are left alone. Fused against eager within the layer tolerance."""
@@ -202,6 +203,69 @@ def test_on_the_gpu_any_backend_gives_what_eager_gives(dtype, dim, keys):
     expected = module(*example)
     fuser.apply(module, example)
     assert mismatch(module(*example), expected, f"{dtype}, dim {dim}, {keys} keys", LAYER) is None
+
+
+class MultiQuery(nn.Module):
+    """Keys and values of one head, broadcast by sdpa over the query's heads (Falcon's)."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q * 2.0, k, v)
+
+
+def multi_query_inputs(tokens=3, heads=6, keys=7, dim=DIM, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, 1, dim, generator=g)
+    k, v = (torch.randn(tokens, 1, keys, dim, generator=g) for _ in range(2))
+    return tuple(x.to(device, dtype) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_one_key_head_takes_a_fused_backend_as_grouped_and_matches_eager(dtype):
+    example = multi_query_inputs(dtype=dtype)
+    traced = trace(MultiQuery(), example)
+    assert sdpa_call(traced.graph).kwargs.get("enable_gqa") is True
+    (record,) = traced.attention_calls
+    assert record.grouped == 6 and record.backend and record.backend != "math"
+    assert "in place of its math one" in record.line()
+    result = fuser.check(MultiQuery(), example)
+    assert result.ok, result.problems
+    module = MultiQuery()
+    fuser.apply(module, example)
+    for tokens in (1, 5):
+        other = multi_query_inputs(tokens, dtype=dtype, seed=tokens)
+        assert mismatch(module(*other), MultiQuery()(*other), f"{tokens} tokens", LAYER) is None
+
+
+class OneQueryHead(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q[:, :1], k, v)
+
+
+def test_one_head_on_both_sides_or_a_call_grouped_already_is_left_as_it_is():
+    example = multi_query_inputs()
+    assert trace(OneQueryHead(), example).attention_calls == []
+    grouped = trace(Grouped(), example)
+    assert grouped.attention_calls == [] and sdpa_call(grouped.graph).kwargs.get("enable_gqa") is True
+
+
+class Grouped(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_on_the_gpu_one_key_head_takes_a_fused_backend_and_matches_eager(dtype, tokens):
+    """Falcon-7B's attention shape (71 query heads, one key head of 64) against 300 keys."""
+    example = multi_query_inputs(tokens, 71, 300, 64, dtype, seed=tokens, device="cuda")
+    traced = trace(MultiQuery(), example)
+    (record,) = traced.attention_calls
+    assert record.backend and record.backend != "math", record.line()
+    module = MultiQuery()
+    expected = module(*example)
+    fuser.apply(module, example)
+    assert mismatch(module(*example), expected, f"{dtype}, {tokens} tokens", LAYER) is None
 
 
 class MaskedEagerAttention(nn.Module):
