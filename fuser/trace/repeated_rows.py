@@ -177,47 +177,39 @@ def _rewrite(graph: fx.Graph, shadows: dict, seed: fx.Node, members: list, block
     else reads it, erased."""
     split: dict[fx.Node, fx.Node] = {}
 
-    def add(op: str, target, args: tuple, like: fx.Node) -> fx.Node:
-        node = graph.create_node(op, target, args, {})
+    def add(op: str, target, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+        node = graph.create_node(op, target, args, kwargs or {})
         node.meta = dict(like.meta)
-        run = (lambda a, *rest: getattr(a, target)(*rest)) if op == "call_method" else target
+        run = (lambda a, *rest, **k: getattr(a, target)(*rest, **k)) if op == "call_method" else target
         shadows[node.name] = tuple(
-            run(*fx.node.map_arg(args, lambda a, at=at: shadows[a.name][at])) for at in (0, 1)
-        )
+            run(*fx.node.map_arg(args, lambda a, at=at: shadows[a.name][at]),
+                **fx.node.map_arg(kwargs or {}, lambda a, at=at: shadows[a.name][at]))
+            for at in (0, 1)
+        )  # fmt: skip
         return node
 
     def over_blocks(operand: fx.Node, reader: fx.Node) -> fx.Node:
-        if operand in split:
-            return split[operand]
-        if operand is seed:  # x.repeat(E, 1, ...) is x broadcast over a new dim
-            rank = shadows[operand.name][0].dim()
-            made = add("call_method", "expand", (operand.args[0], blocks, *(-1,) * rank), reader)
-        else:
-            rest = tuple(shadows[operand.name][0].shape[1:])
-            made = add("call_method", "reshape", (_source_of_blocks(operand, blocks, tokens, shadows), blocks, -1, *rest), reader)
-        split[operand] = made
-        return made
+        if operand not in split:
+            if operand is seed:  # x.repeat(E, 1, ...) is x broadcast over a new dim
+                rank = shadows[operand.name][0].dim()
+                split[operand] = add("call_method", "expand", (operand.args[0], blocks, *(-1,) * rank), reader)
+            else:
+                rest = tuple(shadows[operand.name][0].shape[1:])
+                source = _source_of_blocks(operand, blocks, tokens, shadows)
+                split[operand] = add("call_method", "reshape", (source, blocks, -1, *rest), reader)
+        return split[operand]
+
+    def operand(a: fx.Node, reader: fx.Node) -> fx.Node:
+        value = _pair(shadows, a)
+        if a in split or a is seed or (value is not None and _rows_of_blocks(value, blocks, tokens)):
+            return over_blocks(a, reader)
+        return a
 
     for node in members:
         with graph.inserting_before(node):
-
-            def operand(a: fx.Node, node=node) -> fx.Node:
-                value = _pair(shadows, a)
-                if a in split or a is seed or (value is not None and _rows_of_blocks(value, blocks, tokens)):
-                    return over_blocks(a, node)
-                return a
-
-            args = fx.node.map_arg(node.args, operand)
-            kwargs = fx.node.map_arg(node.kwargs, operand)
-            made = graph.create_node(node.op, node.target, args, kwargs)
-            made.meta = dict(node.meta)
-            run = (lambda a, *rest, t=node.target, **k: getattr(a, t)(*rest, **k)) if node.op == "call_method" else node.target
-            shadows[made.name] = tuple(
-                run(*fx.node.map_arg(args, lambda a, at=at: shadows[a.name][at]),
-                    **fx.node.map_arg(kwargs, lambda a, at=at: shadows[a.name][at]))
-                for at in (0, 1)
-            )  # fmt: skip
-            split[node] = made
+            args = fx.node.map_arg(node.args, lambda a, node=node: operand(a, node))
+            kwargs = fx.node.map_arg(node.kwargs, lambda a, node=node: operand(a, node))
+            split[node] = add(node.op, node.target, args, node, kwargs)
     made_back: list[fx.Node] = []
     for node in members:
         outside = [u for u in node.users if u not in members]
