@@ -6,8 +6,10 @@ tiles); else, when none mixes values along their first axis (the heads of a ``[T
 value), that one is. The tiled axis is followed backwards from the outputs, through broadcasts,
 reshapes that keep it, reductions over other axes and rows gathered per token, to the axis of
 every value it is; a value read every other column (``x[..., ::2]``, GPT-OSS's interleaved gate
-and up) is read a tile twice as wide. :func:`find_tiling` gives that map, or None when some op
-needs the whole axis in one program.
+and up) is read a tile twice as wide. :func:`find_tiling` gives that map, or None when some op the
+tiled axis reaches needs the whole axis in one program; one it does not reach (Llama-4's
+router top-k, whose scores each tile of the hidden dim reads broadcast) is computed whole in
+every tile.
 
 How wide a tile is can wait until the launch, when the row count is known
 (:func:`launch_widths`, :func:`launch_width`): a few rows want narrower tiles than the default
