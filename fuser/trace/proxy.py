@@ -29,10 +29,13 @@ class ShadowProxy(fx.Proxy):
         return value
 
     def size(self, dim: int | None = None):
+        """A dim's size: a literal where both shadows agree, unless a call given state made the
+        value (a dynamic cache's keys, whose length grows from call to call): then, as where the
+        shadows differ, read at run time."""
         a, b = self.shadow
         if dim is None:
             return tuple(self.size(i) for i in range(a.dim()))
-        if a.shape[dim] == b.shape[dim]:
+        if a.shape[dim] == b.shape[dim] and self.node not in self.tracer.state_fed:
             return int(a.shape[dim])
         return self.tracer.create_proxy("call_method", "size", (self, dim), {})
 
@@ -63,7 +66,7 @@ class ShadowProxy(fx.Proxy):
 
     def numel(self):
         a, b = self.shadow
-        if a.numel() == b.numel():
+        if a.numel() == b.numel() and self.node not in self.tracer.state_fed:
             return a.numel()
         return self.tracer.create_proxy("call_method", "numel", (self,), {})
 

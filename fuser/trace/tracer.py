@@ -89,6 +89,9 @@ class ShadowTracer(fx.Tracer):
         self.state_paths: dict[fx.Node, tuple[str, tuple[str, ...]]] = {}
         self.state_reads: dict[tuple, StateRead] = {}
         self._states_changed: set[str] = set()  # state given to a call that may change it
+        # what a call given state returned (a dynamic cache's keys), and what is computed from it:
+        # its sizes may differ from call to call whatever the batch, so none is read as a literal
+        self.state_fed: set[fx.Node] = set()
         # (state name, attribute path) -> what the traced code wrote there: a later read sees it
         self.state_writes: dict[tuple[str, tuple[str, ...]], Any] = {}
         # (state name, attribute path) -> the leaf call (and its line) that rebound it
@@ -272,12 +275,16 @@ class ShadowTracer(fx.Tracer):
             if target is not builtins.getattr:
                 what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
                 self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
+            if target is not builtins.getattr:
+                self.state_fed.add(proxy.node)
             before = self._state_attributes(args, kwargs)
             at_t = self._eager(kind, target, args, kwargs, 0)
             self._note_rebinding(before, kind, target)
             shadow = (at_t, _grown_like(at_t, args, kwargs))
         else:
             shadow = tuple(self._eager(kind, target, args, kwargs, i) for i in (0, 1))
+            if any(a in self.state_fed for a in proxy.node.all_input_nodes):
+                self.state_fed.add(proxy.node)
         proxy.shadow = shadow
         self.shadows[proxy.node.name] = shadow
         return proxy

@@ -291,7 +291,18 @@ def _drop_unused_reads(graph: fx.Graph) -> None:
 def _is_unused_read(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in ("size", "numel", "dim")
+    if node.op == "call_function" and node.target in _SIZE_TESTS:
+        # a test of sizes Python decided while tracing (``kv.shape[2] > mask.shape[-1]`` of a
+        # cache's length, read at run time): nothing reads it, and its literal is no size
+        return all(_is_size(a) for a in node.all_input_nodes)
     return node.op == "call_function" and (node.target is operator.getitem or node.target is torch.arange)
+
+
+_SIZE_TESTS = (operator.gt, operator.ge, operator.lt, operator.le, operator.eq, operator.ne)
+
+
+def _is_size(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target in ("size", "numel", "dim")
 
 
 class preserved_state:

@@ -69,3 +69,24 @@ def test_a_mask_as_long_as_a_cache_a_kernel_reads_is_held_and_a_grown_call_decli
         expected = type(module).forward(module, x, mask, copy.deepcopy(grown))
         assert torch.allclose(module(x, mask, grown), expected, atol=1e-6)  # declined, not raised
     assert fuser.stats(module)[""]["declined"] == {"mask dim 3 is 7, traced with 5": 1}
+
+
+class KeysByLength(SoftmaxAttention):
+    """DeepSeek-V3's MLA: the cached latents viewed by the cache's length (``kv.shape[2]``)."""
+
+    def forward(self, x, cache):
+        k, v = cache.update(self.k(x).unsqueeze(1), self.k(x).unsqueeze(1), 0)
+        batch, _, length, _ = k.shape
+        keys = (k * 2.0).view(batch, length, 4, 4).transpose(1, 2)  # heads of 4
+        return x * keys.mean((1, 2, 3)).view(-1, 1, 1) + v.mean(2)
+
+
+def test_a_size_of_a_grown_cache_is_read_at_run_time_not_held():
+    module = KeysByLength().eval()
+    x = torch.randn(2, 1, 16)
+    fuser.apply(module, (x, cache_holding(4)))
+    for length in (4, 6, 9):
+        with torch.no_grad():
+            expected = type(module).forward(module, x, cache_holding(length))
+            assert torch.allclose(module(x, cache_holding(length)), expected, atol=1e-6), length
+    assert fuser.stats(module)[""] == {"fused": 3, "declined": {}}
