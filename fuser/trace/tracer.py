@@ -275,7 +275,6 @@ class ShadowTracer(fx.Tracer):
             if target is not builtins.getattr:
                 what = f"{state}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
                 self.note(AutomaticLeaf(what, calling_line(), f"takes `{state}`, state the graph passes through"))
-            if target is not builtins.getattr:
                 self.state_fed.add(proxy.node)
             before = self._state_attributes(args, kwargs)
             at_t = self._eager(kind, target, args, kwargs, 0)
