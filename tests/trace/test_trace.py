@@ -2,10 +2,6 @@
 
 import operator
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 import triton
 import triton.language as tl
+from helpers import describe_exit, run_isolated
 
 import fuser
 from fuser.trace.tracing import trace
@@ -175,7 +172,7 @@ def test_isinstance_tensor_is_true_and_the_graph_takes_that_branch():
 def test_torch_compile_after_the_first_trace_of_a_process_sees_the_real_isinstance():
     """The first trace of a process may be where ``torch._dynamo`` is imported (fx imports it to
     record stack traces); Dynamo's table of builtins must not hold the trace's ``isinstance``."""
-    script = textwrap.dedent(
+    run = run_isolated(
         """
         import sys, torch
         from fuser.trace.tracing import trace
@@ -194,9 +191,7 @@ def test_torch_compile_after_the_first_trace_of_a_process_sees_the_real_isinstan
         print(f(torch.zeros(2)).tolist())
         """
     )
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, describe_exit(run)
     assert run.stdout.strip() == "[1.0, 1.0]"
 
 
