@@ -375,30 +375,10 @@ def gather_last(lw, node: fx.Node, name: str, cop: COp):
     lw.dtypes[node] = lw.dtypes[src]
 
 
-@lowering("scatter_last")
-def scatter_last(lw, node: fx.Node, cop: COp):
-    """``x.scatter(-1, index, value)``: a column is set where any of its row's indices names
-    it (a one-hot test per index; padded indices name no column)."""
-    src, index, value = cop.args
-    shape, picks = lw.padded(src), lw.padded(index)
-    rank = len(shape)
-    if math.prod(picks) * shape[-1] > ONE_HOT_LIMIT:
-        raise LoweringError(f"`{node.name}`: scattering into a {shape[-1]}-wide block is too large")
-    cols = expanded(f"tl.arange(0, {shape[-1]})", rank, rank + 1)
-    hits = f"({cols} == tl.expand_dims({lw.names[index]}, {rank}))"
-    width = lw.block_shape(index)[-1]
-    if picks[-1] != width:
-        hits += f" & {expanded(f'(tl.arange(0, {picks[-1]}) < {width})', rank - 1, rank + 1)}"
-    listed = f"tl.max(({hits}).to(tl.int32), axis={rank - 1}) > 0"
-    return lw.emit(node, f"tl.where({listed}, {lw.f32(float(value))}, {lw.f32(src)})")
-
-
-@lowering("scatter_src_last")
-def scatter_src_last(lw, node: fx.Node, cop: COp):
-    """``x.scatter(-1, index, src)``: column c is ``src[j]`` for the last j whose index names c
-    (eager's order on the CPU; on the GPU eager leaves which of repeated indices wins unsaid),
-    else x's own (a one-hot test per index; padded indices name no column)."""
-    x, index, src = cop.args
+def _scatter_hits(lw, node: fx.Node, x: fx.Node, index: fx.Node) -> tuple[str, str, int]:
+    """``(hits, places, rank)`` for a scatter into ``x``'s last axis at ``index``: ``hits`` is
+    true where index place j (``places``, along axis ``rank - 1``) names column c (axis
+    ``rank``); padded places name no column."""
     shape, picks = lw.padded(x), lw.padded(index)
     rank = len(shape)
     if math.prod(picks) * shape[-1] > ONE_HOT_LIMIT:
@@ -409,6 +389,26 @@ def scatter_src_last(lw, node: fx.Node, cop: COp):
     width = lw.block_shape(index)[-1]
     if picks[-1] != width:
         hits += f" & ({places} < {width})"
+    return hits, places, rank
+
+
+@lowering("scatter_last")
+def scatter_last(lw, node: fx.Node, cop: COp):
+    """``x.scatter(-1, index, value)``: a column is set where any of its row's indices names
+    it (a one-hot test per index; padded indices name no column)."""
+    src, index, value = cop.args
+    hits, _, rank = _scatter_hits(lw, node, src, index)
+    listed = f"tl.max(({hits}).to(tl.int32), axis={rank - 1}) > 0"
+    return lw.emit(node, f"tl.where({listed}, {lw.f32(float(value))}, {lw.f32(src)})")
+
+
+@lowering("scatter_src_last")
+def scatter_src_last(lw, node: fx.Node, cop: COp):
+    """``x.scatter(-1, index, src)``: column c is ``src[j]`` for the last j whose index names c
+    (eager's order on the CPU; on the GPU eager leaves which of repeated indices wins unsaid),
+    else x's own (a one-hot test per index; padded indices name no column)."""
+    x, index, src = cop.args
+    hits, places, rank = _scatter_hits(lw, node, x, index)
     last = lw.local(f"{node.name}_from")
     lw.lines.append(f"{last} = tl.max(tl.where({hits}, {places}, -1), axis={rank - 1})  # {node.name}: the index naming each column last")
     picked = selected(f"{hits} & ({places} == tl.expand_dims({last}, {rank - 1}))", f"tl.expand_dims({lw.f32(src)}, {rank})", rank - 1)

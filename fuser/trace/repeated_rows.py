@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fuser.ir.canonical_op import FOLDED_LAUNCHES, op_name
+from fuser.ir.canonical_op import FOLDED_LAUNCHES, op_name, writes_into
 from fuser.ir.ops import POINTWISE, SPELLINGS, TABLE
 
 #: Methods that convert each element on its own (a dtype or device change).
@@ -86,18 +86,12 @@ def _written(node, shadows: dict) -> bool:
     if value is None:
         return True
     memory = value[0].untyped_storage().data_ptr()
-    for other in node.graph.nodes:
-        if _writes(other) and other.args and isinstance(other.args[0], fx.Node):
-            target = _pair(shadows, other.args[0])
-            if target is None or target[0].untyped_storage().data_ptr() == memory:
+    for holder in node.graph.nodes:
+        held = _pair(shadows, holder)
+        if held is not None and held[0].untyped_storage().data_ptr() == memory:
+            if any(writes_into(user, holder) for user in holder.users):
                 return True
     return False
-
-
-def _writes(node: fx.Node) -> bool:
-    """Does ``node`` write a tensor it reads (``x.add_(...)``, ``x[i] = ...``, ``x.copy_(...)``)?"""
-    name = op_name(node)
-    return node.op in ("call_function", "call_method") and (name.endswith("_") and not name.startswith("_") or name == "setitem")
 
 
 def _elementwise_readers(seed: fx.Node, blocks: int, tokens: tuple, shadows: dict) -> list[fx.Node]:

@@ -290,7 +290,7 @@ def _drop_unused_reads(graph: fx.Graph) -> None:
 
 def _is_unused_read(node: fx.Node) -> bool:
     if node.op == "call_method":
-        return node.target in ("size", "numel", "dim")
+        return _is_size(node)
     if node.op == "call_function" and node.target in _SIZE_TESTS:
         # a test of sizes Python decided while tracing (``kv.shape[2] > mask.shape[-1]`` of a
         # cache's length, read at run time): nothing reads it, and its literal is no size
