@@ -28,7 +28,7 @@ import torch.fx as fx
 from fuser.canon.canonicalize import COMPUTE, UNIT_VIEW, VIEW, canonicalize
 from fuser.codegen.kernel import Kernel
 from fuser.install.copies import Copy, copy_kernels, install_copies
-from fuser.install.fused_graph import compile_forward, rewrite_graph
+from fuser.install.fused_graph import REGION_META, compile_forward, rewrite_graph
 from fuser.install.kv_cache import write_in_one_kernel
 from fuser.install.merged_weights import MergedWeights
 from fuser.install.free_sizes import free_sizes, reached_from
@@ -37,6 +37,7 @@ from fuser.install.once_per_forward import once_per_forward, shareable
 from fuser.pipeline import passes
 from fuser.pipeline.merged_projections import merge_projections
 from fuser.pipeline.residual_in_gemm import residuals_in_gemm
+from fuser.pipeline.activation_in_gemm import activations_in_gemm
 from fuser.pipeline.decode_gemms import decode_gemms
 from fuser.pipeline.passes import Planning, planning
 from fuser.trace import tracing
@@ -72,6 +73,8 @@ class Fusing:
     merged: MergedWeights | None = None  # merge_projections: the groups merged
     merges: list[str] = field(default_factory=list)  # merge_projections: each group merged, named
     merges_refused: dict[str, str] = field(default_factory=dict)  # merge_projections: group -> why not
+    activations_in_gemm: list[tuple[str, str, str]] = field(default_factory=list)  # activation_in_gemm: (output, activation, linear)
+    activations_apart: dict[str, str] = field(default_factory=dict)  # activation_in_gemm: activation -> why not
     residuals_in_gemm: list[tuple[str, str]] = field(default_factory=list)  # residual_in_gemm: (add, its linear) rewritten
     decode_gemms: list[tuple[str, str]] = field(default_factory=list)  # decode_gemm: (GEMM, its shape and token counts) rewritten
     uncalled: list[str] = field(default_factory=list)  # decode_gemm: linear layers no longer called as modules
@@ -192,6 +195,18 @@ def merged_projection_groups(f: Fusing) -> None:
     f.merged, f.merges, f.merges_refused = merge_projections(f.graph, f.module, f.traced, f.cops, f.covered())
 
 
+def activations_by_gemm(f: Fusing) -> None:
+    shared = [k.region for k in f.shared]
+    merged = {name: g.layers for g in (f.merged.groups if f.merged else ()) for name in g.layers}
+    f.activations_in_gemm, f.activations_apart = activations_in_gemm(f.graph, f.module, f.traced, f.cops, f.survivors,
+                                                                     shared, merged)  # fmt: skip
+    if f.activations_in_gemm:  # the kernels and ops that computed them run no more
+        live = {id(n.meta[REGION_META]) for n in f.graph.nodes if REGION_META in n.meta}
+        f.planning.kernels = [k for k in f.kernels if id(k.region) in live]
+        names = {n.name for n in f.graph.nodes}
+        f.survivors = {n for n in f.survivors if n.name in names}
+
+
 def residual_adds_in_gemm(f: Fusing) -> None:
     f.residuals_in_gemm = residuals_in_gemm(f.graph, f.module, f.traced, [k.region for k in f.shared])
     added = {add for add, _ in f.residuals_in_gemm}
@@ -230,6 +245,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("install_copies", copies_installed, "the copy kernels put in the fused graph", off_with="copy_kernels"),
     Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),
     Pass("merge_projections", merged_projection_groups, "linear layers that read one input as one GEMM on their weights concatenated at apply time"),
+    Pass("activation_in_gemm", activations_by_gemm, "a ReLU or tanh GELU of a linear layer's output alone applied by the GEMM's epilogue with the bias (cuBLASLt, torch._addmm_activation): no launch for the activation"),
     Pass("residual_in_gemm", residual_adds_in_gemm, "a residual added to a linear layer's output, in a buffer nothing else reads, added by the GEMM itself (addmm_, beta = 1): no launch for the add"),
     Pass("decode_gemm", decode_gemm_kernels, "linear layers whose weight shape this GPU's decode-GEMM table holds run on fuser's GEMM kernel at decode sizes (none without a table)"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),

@@ -70,14 +70,16 @@ def _residual_and_linear(add: fx.Node, module: nn.Module, shared: list) -> tuple
     return None
 
 
-def plain_linear(node: fx.Node, module: nn.Module) -> bool:
+def plain_linear(node: fx.Node, module: nn.Module, bias: bool = False) -> bool:
+    """Is ``node`` a call of exactly ``torch.nn.Linear``, with a bias or (``bias=False``) without,
+    no hooks, no forward set on the instance?"""
     if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
         return False
     layer = module.get_submodule(node.target)
     hooks = (layer._forward_hooks, layer._forward_pre_hooks, nn.modules.module._global_forward_hooks,
              nn.modules.module._global_forward_pre_hooks)  # fmt: skip
     # (a forward set on the instance, an offloading wrapper's, runs only when the module is called)
-    return type(layer) is nn.Linear and "forward" not in layer.__dict__ and layer.bias is None and not any(hooks)
+    return type(layer) is nn.Linear and "forward" not in layer.__dict__ and (layer.bias is not None) == bias and not any(hooks)
 
 
 def _fresh(node: fx.Node, shared: list) -> bool:

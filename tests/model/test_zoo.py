@@ -107,7 +107,6 @@ DEEPSEEK_V4_TABLES = {"repeat_interleave": 2}
 # A lone activation between two GEMMs (erf gelu, gelu_tanh): left to PyTorch by its cost
 # (fuser.regions' lone-op policy), one launch either way.
 LONE_GELU = {"gelu": 1}
-LONE_GELU_TANH = {"gelu_tanh": 1}
 # Partial rotary (GPT-NeoX, Phi, Nemotron): the rotary dims of q and k rotated, concatenated with
 # the dims that pass through, both read the same cos/sin.
 PARTIAL_ROPE = ["RoPE of q's and k's rotary dims, concatenated with the dims that pass (one kernel)"]
@@ -118,6 +117,11 @@ NEOX_PROJ = [
 ]
 # Parallel residual, one LayerNorm shared by attention and MLP (Phi, GPT-J, Falcon, StableLM).
 PARALLEL_GELU_NEW_PROJ = ["input_layernorm", "gelu_new (tanh written out)", "attention + MLP + residual adds"]
+# The MLP's tanh GELU (gelu_new written out, or F.gelu tanh) applied by its up projection's GEMM
+# with the bias (fuser.pipeline.activation_in_gemm): no launch of its own. Phi-2's whole layer
+# merges that projection with q, k and v into one GEMM, so its GELU keeps a kernel.
+PARALLEL_GELU_IN_GEMM_PROJ = ["input_layernorm", "attention + MLP + residual adds"]
+IN_GEMM = {"gptj_proj": 1, "gptj": 1, "phi_proj": 1, "starcoder2_proj": 1, "starcoder2": 1}
 FALCON_PROJ = ["input_layernorm", "mlp_output += attention, + residual (dropout_add)"]
 STABLELM_PROJ = ["input_layernorm", "silu(gate) * up", "residual + attention + MLP"]
 STABLELM_ATTENTION = [
@@ -177,16 +181,16 @@ BOUNDS = {
     "deepseek_v4": (DEEPSEEK_V4_PROJ + DEEPSEEK_V4_ATTENTION, _plus(ROUTING, DEEPSEEK_V4_TABLES)),
     "gpt_neox_proj": (NEOX_PROJ, LONE_GELU),
     "gpt_neox": (NEOX_PROJ + PARTIAL_ROPE, LONE_GELU),
-    "phi_proj": (PARALLEL_GELU_NEW_PROJ, {}),
+    "phi_proj": (PARALLEL_GELU_IN_GEMM_PROJ, {}),
     "phi": (PARALLEL_GELU_NEW_PROJ + PARTIAL_ROPE, {}),
-    "gptj_proj": (PARALLEL_GELU_NEW_PROJ, {}),
-    "gptj": (PARALLEL_GELU_NEW_PROJ + GPTJ_ATTENTION, {}),
+    "gptj_proj": (PARALLEL_GELU_IN_GEMM_PROJ, {}),
+    "gptj": (PARALLEL_GELU_IN_GEMM_PROJ + GPTJ_ATTENTION, {}),
     "falcon_proj": (FALCON_PROJ, LONE_GELU),
     "falcon": (FALCON_PROJ + FALCON_ATTENTION, LONE_GELU),
     "stablelm_proj": (STABLELM_PROJ, {}),
     "stablelm": (STABLELM_PROJ + STABLELM_ATTENTION, {}),
-    "starcoder2_proj": (STARCODER2_PROJ, _plus(LONE_GELU_TANH, LAST_ADD)),
-    "starcoder2": (STARCODER2_PROJ + ROPE, _plus(LONE_GELU_TANH, LAST_ADD)),
+    "starcoder2_proj": (STARCODER2_PROJ, LAST_ADD),
+    "starcoder2": (STARCODER2_PROJ + ROPE, LAST_ADD),
     "persimmon_proj": (RELU2_PROJ, LAST_ADD),
     "persimmon": (RELU2_PROJ + PERSIMMON_ATTENTION, LAST_ADD),
     "nemotron_proj": (RELU2_PROJ, LAST_ADD),
@@ -226,6 +230,7 @@ def test_zoo_layer_fuses_within_its_bound(name, dtype):
     bound = len(stretches) + sum(eager.values())
     assert report.launches_after <= bound, report.text()
     assert report.launches_after < report.launches_before
+    assert len(report.activations_in_gemm) == IN_GEMM.get(name, 0), report.text()
 
 
 @pytest.mark.parametrize("projection", [False, True], ids=["whole", "proj"])

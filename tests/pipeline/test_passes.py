@@ -35,6 +35,7 @@ NAMES = [
     "install_copies",
     "static_cache_write",
     "merge_projections",
+    "activation_in_gemm",
     "residual_in_gemm",
     "decode_gemm",
     "compile_forward",
