@@ -4,10 +4,11 @@ by the GEMM itself.
 In GPT-J, Phi-2, StarCoder2 or OPT the MLP's activation sits alone between its two GEMMs:
 fused or not, it is one launch of its own that reads and writes the whole intermediate. cuBLASLt
 applies a bias and then a ReLU or a tanh GELU in the GEMM's epilogue, on the fp32 accumulator
-(``torch._addmm_activation``): on an H100 that costs 0.1–0.3 µs on the GEMM at 1–32 tokens where
-the activation's own kernel takes 1.6–2 µs (`benchmarks/results/README.md`). So ``act(fc(x))``
-becomes one call, the result rounded once where eager rounds the product and then each
-activation step.
+(``torch._addmm_activation``): on an H100 that costs 0.0–0.5 µs on the GEMM at 1–32 tokens where
+PyTorch's activation kernel takes 1.5–2.9 µs (``benchmarks/probe_gemm_activation.py``). So
+``act(fc(x))`` becomes one call, the result rounded once where eager rounds the product and then
+each activation step. In fp16 and bf16 only on CUDA: for a small fp32 GEMM cuBLAS runs the
+epilogue as a kernel of its own (the CPU, where tests run, takes every dtype).
 
 The activation is found by what it computes, not by its class: ``F.relu``, ``F.gelu(x,
 approximate="tanh")``, and the tanh GELU as transformers writes it out (``gelu_new``,
@@ -113,7 +114,7 @@ def activations_in_gemm(graph: fx.Graph, module: nn.Module, traced: Traced, cops
             if why:
                 apart[f"{m.outputs[0].name} ({pattern.name}) of {linear.target}"] = why
                 continue
-            _rewrite(graph, linear, _fused_output(m, nodes), m, nodes, gelu)
+            _rewrite(graph, linear, _fused_output(m, nodes, survivors, shared), m, nodes, gelu)
             done.append((m.outputs[0].name, pattern.name, linear.target))
     graph.lint()
     return done, apart
@@ -130,23 +131,25 @@ def _why_not(m, linear: fx.Node, module: nn.Module, traced: Traced, nodes: dict,
     dtypes = {value.dtype, layer.weight.dtype, layer.bias.dtype}
     if len(dtypes) != 1 or value.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"input, weight and bias of dtypes {sorted(str(d) for d in dtypes)}, not one floating dtype"
-    if _fused_output(m, nodes, shared) is None and not m.nodes <= survivors:
+    if value.dtype == torch.float32 and value.device.type == "cuda":
+        return "fp32 on CUDA: cuBLAS runs the epilogue of a small fp32 GEMM as a kernel of its own, saving no launch"
+    if _fused_output(m, nodes, survivors, shared) is None:
         return "its activation shares a kernel with other glue"
     return None
 
 
-def _fused_output(m, nodes: dict, shared: list = ()) -> fx.Node | None:
-    """The fused graph's node for the activation's output: its ops' own, where they run as they
-    are, or the output of the kernel that computes exactly the activation, else None."""
+def _fused_output(m, nodes: dict, survivors: set, shared: list) -> fx.Node | None:
+    """The fused graph's node for the activation's output: its own, where all its ops run as
+    they are, or the output of the kernel that computes exactly the activation; else None."""
     out = m.outputs[0]
-    if out.name in nodes:
+    if m.nodes <= survivors:
         return nodes[out.name]
     for node in nodes.values():
         region = node.meta.get(REGION_META)
         if (region is not None and region.covered == m.nodes and region.outputs == [out] and not region.stores
                 and not any(region is s for s in shared)):  # fmt: skip
-            (item,) = node.users
-            return item
+            items = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+            return items[0] if len(items) == 1 and len(node.users) == 1 else None
     return None
 
 
