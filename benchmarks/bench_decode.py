@@ -65,6 +65,7 @@ FUSER_VARIANTS = (
     ("fuser -pdl", dict(disable_passes=("pdl",))),
     ("fuser -residual_in_gemm", dict(disable_passes=("residual_in_gemm",))),
     ("fuser -decode_gemm", dict(disable_passes=("decode_gemm",))),
+    ("fuser -activation_in_gemm", dict(disable_passes=("activation_in_gemm",))),
 )
 VARIANTS = ("eager", "compile") + tuple(name for name, _ in FUSER_VARIANTS)
 

@@ -34,6 +34,10 @@ MODELS = {
     "qwen3_8b": ("qwen3", 4, {}),
     # 64 of the 256 routed experts, so that the weights of 2 layers fit beside three caches
     "deepseek_v4_flash": ("deepseek_v4", 2, {"n_routed_experts": 64}),
+    # LayerNorm models (issue 30's whole-model rows), 4 layers each at real dims
+    "gptj_6b": ("gptj", 4, {}),  # parallel residual, gelu_new, rotary over 64 of 256 dims, eager attention
+    "starcoder2_7b": ("starcoder2", 4, {}),  # biases everywhere, gelu_tanh MLP
+    "gpt_neox_20b": ("gpt_neox", 4, {}),  # head dim 96, a quarter of it rotary, exact GELU
 }
 
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")

@@ -74,7 +74,7 @@ def planning(module: torch.nn.Module, traced: Traced, cops: dict, patterns: list
     parameters = frozenset(
         n for n in traced.graph.nodes if n.op == "get_attr" and isinstance(traced.value(n), torch.nn.Parameter)
     )
-    return Planning(module, traced, cops, list(patterns), RegionBuilder(traced.graph, cops, parameters, traced.value))
+    return Planning(module, traced, cops, list(patterns), RegionBuilder(traced.graph, cops, parameters, traced.value, traced.batch_dims))
 
 
 def hold_growing_state(p: Planning) -> Planning:

@@ -96,10 +96,12 @@ class RegionBuilder:
     (:meth:`boundary`, :meth:`peel`, :meth:`drop_view_outputs`).
     """
 
-    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp], parameters: frozenset = frozenset(), value_of=None):
+    def __init__(self, graph: fx.Graph, cops: dict[fx.Node, COp], parameters: frozenset = frozenset(), value_of=None,
+                 token_dims_of=None):  # fmt: skip
         self.graph, self.cops = graph, cops
-        # node -> its traced value, for the lone-op decision (None: a lone op is never fused)
-        self.value_of = value_of
+        # node -> its traced value and its dims that follow the tokens, for the lone-op decision
+        # (None: a lone op is never fused)
+        self.value_of, self.token_dims_of = value_of, token_dims_of
         self.left_alone: dict[fx.Node, str] = {}  # lone op left to PyTorch -> why (lone_ops)
         self.parameters = parameters  # get_attr nodes of parameters: weights no leaf writes
         self.order = {n: i for i, n in enumerate(graph.nodes)}
@@ -389,7 +391,7 @@ class RegionBuilder:
         traced values to judge by, or a value of parameters alone (computed once at apply time)."""
         if self.value_of is None or token_free(node):
             return None
-        return lone_ops.forced_decision() or lone_ops.decide(node, self.cops[node], self.value_of)
+        return lone_ops.forced_decision() or lone_ops.decide(node, self.cops[node], self.value_of, self.token_dims_of)
 
     def _place(self, nodes: list[fx.Node]) -> list[Region]:
         """Split a component until every part can run at one point of the program."""

@@ -16,8 +16,10 @@ CUDA graph); the op is fused where the kernel's mean over those token counts is 
 
 An op is looked up by its kind (:func:`op_kind`: ``layer_norm``/``layer_norm_nobias``,
 ``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``softmax``, ``cast_to_float32``, a reduction's
-name, ...), the dtype it reads, and the width of its input's last axis: the entry of the nearest
-measured width (on a log scale) within a factor of two; none beyond that.
+name, ...), the dtype it reads, and the width of one token's row of its input (:func:`row_width`:
+a ``[T, D]`` input's D, but a ``[B, heads, cached, D]`` key cache's heads × cached × D, which
+one row program handles at each token as the table's kernels handle D): the entry of the
+nearest measured width (on a log scale) within a factor of two; none beyond that.
 
 With no entry (on the CPU, on a GPU with no table, an op or width it does not hold), the
 default: a lone normalization or reduction (LayerNorm, softmax, a sum or mean) of floating-point
@@ -88,13 +90,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def decide(node: fx.Node, cop: COp, value_of) -> Decision:
-    """Whether ``node`` (op ``cop``), alone between ops that cannot share its kernel, gets one."""
+def row_width(value: torch.Tensor, token_dims: tuple[int, ...]) -> int:
+    """The elements of one token's row of ``value``: its size over its token dims' sizes (all
+    of it where it has none)."""
+    tokens = math.prod(value.shape[d] for d in token_dims)
+    return value.numel() // tokens if tokens else 0
+
+
+def decide(node: fx.Node, cop: COp, value_of, token_dims_of) -> Decision:
+    """Whether ``node`` (op ``cop``), alone between ops that cannot share its kernel, gets one
+    (``value_of(node)``: a node's traced value; ``token_dims_of(node)``: its dims that follow the
+    token count)."""
     source = next((a for a in cop.args if isinstance(a, fx.Node)), None)
     value = value_of(source) if source is not None else None
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or not value.is_floating_point():
         return Decision(False, "alone: left to PyTorch: not a row of floating-point values")
-    kind, dtype, width = op_kind(cop, value_of), _dtype_name(value.dtype), value.shape[-1]
+    kind, dtype, width = op_kind(cop, value_of), _dtype_name(value.dtype), row_width(value, token_dims_of(source))
     table, path = current_table()
     entry = nearest(table.get((kind, dtype), []), width)
     what = f"{kind}, width {width}, {dtype}"

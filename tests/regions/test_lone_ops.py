@@ -155,6 +155,29 @@ def test_an_op_the_table_does_not_hold_follows_the_default(tmp_path, monkeypatch
     assert in_kernel and why.startswith("alone: fused by default (softmax, width 48, float32: no entry in lone.json)")
 
 
+class CacheCast(nn.Module):
+    """GPT-J's attention: the whole key cache ``[batch, heads, cached, head_dim]`` cast to fp32
+    alone between the cache write and the scores' matmul (one token per sequence)."""
+
+    def forward(self, q, keys):
+        return torch.matmul(q.float(), keys.float().transpose(-1, -2))
+
+
+def test_a_lone_op_is_judged_at_the_width_of_one_token_s_row_not_its_last_axis(tmp_path, monkeypatch):
+    """The table's kernels run one program a token over a row of its width; a cast of a key
+    cache is heads × cached × head_dim a token, far beyond the 16-wide entry that its last axis
+    would read (on an H100 that entry's kernel took 3.3x PyTorch's time on GPT-J's cache)."""
+    table = write_table(tmp_path / "lone.json", [entry("cast_to_float32", "bfloat16", 16, 6.0, 1.0),
+                                                 entry("cast_to_float32", "bfloat16", 48, 6.0, 1.0)])  # fmt: skip
+    monkeypatch.setenv(TABLE_ENV, str(table))
+    q = randn(gen(2), 3, 4, 1, 16, dtype=torch.bfloat16)
+    keys = randn(gen(3), 3, 4, 24, 16, dtype=torch.bfloat16)
+    report = fuser.explain(CacheCast(), (q, keys))
+    notes = {u.node: u.reason for u in report.unfused} | {n: c.note for c in report.chains for n in c.nodes}
+    assert notes["float_2"].startswith("alone: left to PyTorch by default (cast_to_float32, width 1536, bfloat16"), report.text()
+    assert notes["float_1"].startswith("alone: fused, the table says 1.0 µs vs PyTorch's 6.0 µs (cast_to_float32, width 64"), report.text()
+
+
 def test_the_gpu_s_table_is_read_from_the_launch_table_directories(tmp_path, monkeypatch):
     write_table(tmp_path / "TEST_GPU-lone_ops.json", [entry("gelu", "float32", 48, 6.0, 2.0)])
     monkeypatch.setenv("FUSER_LAUNCH_CONFIGS", str(tmp_path))
