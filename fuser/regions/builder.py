@@ -389,7 +389,7 @@ class RegionBuilder:
         """Does ``node``, one op alone between ops that cannot share its kernel, get a kernel of
         its own (:mod:`fuser.regions.lone_ops`)? None where the question does not arise: no
         traced values to judge by, or a value of parameters alone (computed once at apply time)."""
-        if self.value_of is None or token_free(node):
+        if self.value_of is None or self.token_dims_of is None or token_free(node):
             return None
         return lone_ops.forced_decision() or lone_ops.decide(node, self.cops[node], self.value_of, self.token_dims_of)
 
