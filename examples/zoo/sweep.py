@@ -4,7 +4,8 @@ mismatch or error), then a count of each outcome.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python examples/zoo/sweep.py [MODEL ...] [--timeout S]
 
-A layer is guessed from its modeling file (``<Prefix>DecoderLayer``, a MoE when the file speaks
+A layer is guessed from its modeling file (``<Prefix>DecoderLayer``, else ``<Prefix>Block`` where a
+``<Prefix>Config`` goes with it: GPT-2's family; a MoE when the file speaks
 of experts, ``<Prefix>RotaryEmbedding`` where it has one) and built as ``examples/zoo/layers.py``
 builds the zoo's; a layer that cannot be built or called that way (encoder-decoder layers,
 multimodal configs, layers that take more inputs) is counted as skipped with the reason, not
@@ -40,13 +41,22 @@ def spec_of(model: str) -> dict | None:
     """The zoo's spec of ``model`` read off its modeling file, or None without a decoder layer."""
     import transformers
 
-    source = (Path(transformers.__file__).parent / "models" / model / f"modeling_{model}.py").read_text()
+    folder = Path(transformers.__file__).parent / "models" / model
+    source = (folder / f"modeling_{model}.py").read_text()
+    layer = "DecoderLayer"
     found = re.findall(r"^class (\w+)DecoderLayer\(", source, re.M)
+    if not found:  # GPT-2's family names its layer a block: GPT2Block, CodeGenBlock, GPTBigCodeBlock
+        configs = (folder / f"configuration_{model}.py")
+        configs = configs.read_text() if configs.is_file() else ""
+        found = [p for p in re.findall(r"^class (\w+)Block\(", source, re.M) if f"class {p}Config(" in configs]
+        layer = "Block"
     if not found:
         return None
     prefix = found[0]
     moe = "num_experts" in source or "num_local_experts" in source
     spec = dict(module=model, prefix=prefix, tiny=zoo._MOE if moe else zoo._DENSE)
+    if layer != "DecoderLayer":
+        spec["layer"] = prefix + layer
     if f"class {prefix}RotaryEmbedding" not in source:
         spec["rotary"] = None
     return spec

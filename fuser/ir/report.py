@@ -57,7 +57,7 @@ class Report:
     merged_projections: list[str] = field(default_factory=list)  # linear layers run as one GEMM ("a + b + c")
     projections_apart: dict = field(default_factory=dict)  # linear layers of one input left apart -> why
     activations_in_gemm: list[str] = field(default_factory=list)  # activations the GEMM applies ("mul_3 (gelu_new) of mlp.fc1")
-    activations_apart: dict[str, str] = field(default_factory=dict)  # activations of a linear layer left apart -> why
+    activations_apart: dict[str, str] = field(default_factory=dict)  # activations of a GEMM's output left apart -> why
     residuals_in_gemm: list[str] = field(default_factory=list)  # adds done by the GEMM before them ("add_5 + mlp.down_proj")
     decode_gemms: list[str] = field(default_factory=list)  # GEMMs on fuser's decode GEMM kernel (fuser.install.decode_gemm)
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
@@ -123,7 +123,7 @@ class Report:
             lines += ["", "activations applied by the GEMM before them, with its bias (cuBLASLt's epilogue; no launch for the activation): "
                           + ", ".join(self.activations_in_gemm)]
         if self.activations_apart:
-            lines += ["", "activations of a linear layer left apart from its GEMM:"]
+            lines += ["", "activations of a GEMM's output left apart from it:"]
             lines += [f"  {what}: {why}" for what, why in self.activations_apart.items()]
         if self.residuals_in_gemm:
             lines += ["", "residuals added by the GEMM before them (addmm_ into the residual's buffer, beta = 1; no launch for the add): "

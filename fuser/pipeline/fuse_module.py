@@ -102,7 +102,7 @@ def plan(
     report.sizes_near_literals = {name: sorted(dims) for name, dims in f.near_literals.items()}
     report.merged_projections, report.projections_apart = list(f.merges), dict(f.merges_refused)
     report.residuals_in_gemm = [f"{add} + {linear}" for add, linear in f.residuals_in_gemm]
-    report.activations_in_gemm = [f"{out} ({kind}) of {linear}" for out, kind, linear in f.activations_in_gemm]
+    report.activations_in_gemm = [f"{out} ({kind}) of {gemm}" for out, kind, gemm, _ in f.activations_in_gemm]
     report.activations_apart = dict(f.activations_apart)
     report.decode_gemms = [f"{what}: {how}" for what, how in f.decode_gemms]
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
@@ -113,7 +113,7 @@ def plan(
     p.merged = f.merged
     p.bypassed = tuple(name for g in (f.merged.groups if f.merged else ()) for name in g.layers) + tuple(
         linear for _, linear in f.residuals_in_gemm
-    ) + tuple(linear for _, _, linear in f.activations_in_gemm) + tuple(f.uncalled)
+    ) + tuple(gemm for _, _, gemm, layer in f.activations_in_gemm if layer) + tuple(f.uncalled)
     return p
 
 

@@ -73,7 +73,7 @@ class Fusing:
     merged: MergedWeights | None = None  # merge_projections: the groups merged
     merges: list[str] = field(default_factory=list)  # merge_projections: each group merged, named
     merges_refused: dict[str, str] = field(default_factory=dict)  # merge_projections: group -> why not
-    activations_in_gemm: list[tuple[str, str, str]] = field(default_factory=list)  # activation_in_gemm: (output, activation, linear)
+    activations_in_gemm: list[tuple[str, str, str, bool]] = field(default_factory=list)  # activation_in_gemm: (output, activation, GEMM, a layer bypassed)
     activations_apart: dict[str, str] = field(default_factory=dict)  # activation_in_gemm: activation -> why not
     residuals_in_gemm: list[tuple[str, str]] = field(default_factory=list)  # residual_in_gemm: (add, its linear) rewritten
     decode_gemms: list[tuple[str, str]] = field(default_factory=list)  # decode_gemm: (GEMM, its shape and token counts) rewritten

@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 
 import fuser
 from fuser.install.splice import STATE_ATTR
-from fuser.pipeline.activation_in_gemm import linear_activation
+from fuser.pipeline.activation_in_gemm import addmm_activation, linear_activation
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import PROMPT, STEPS, greedy, prefilled, step
 from tests.model.test_model import causal_lm
@@ -116,7 +116,75 @@ def test_where_the_epilogue_would_compute_something_else_the_activation_stays_wi
     assert result.report.activations_in_gemm == [], result.report.text()
     (reason,) = result.report.activations_apart.values()
     assert why in reason, reason
-    assert "left apart from its GEMM" in result.report.text()
+    assert "left apart from it:" in result.report.text()
+
+
+class AddmmMLP(nn.Module):
+    """The up projection as ``torch.addmm`` of a ``[in, out]`` weight, its rows viewed back
+    (GPT-2's ``Conv1D``); ``beta`` and a matrix ``bias`` break the epilogue's form."""
+
+    def __init__(self, act, beta=None, matrix_bias=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, H) / D**0.5)
+        self.bias = nn.Parameter(torch.randn(1, H) if matrix_bias else torch.randn(H))
+        self.act, self.beta = act, beta
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x):
+        kwargs = {} if self.beta is None else dict(beta=self.beta)
+        h = torch.addmm(self.bias, x.view(-1, D), self.weight, **kwargs).view(*x.shape[:-1], H)
+        return x + self.down(self.act(h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["relu", "gelu_new"])
+def test_an_addmm_s_activation_is_done_by_the_addmm(name, dtype):
+    torch.manual_seed(0)
+    act, kind = ACTIVATIONS[name]
+    block = AddmmMLP(act).to(dtype)
+    result = fuser.check(block, inputs(dtype=dtype))
+    assert result.ok, result.text()
+    (entry,) = result.report.activations_in_gemm
+    assert entry.endswith(f"({kind}) of addmm (torch.addmm)"), entry  # (its weight is the module's own: no owner to name)
+    off = fuser.explain(block, inputs(dtype=dtype), disable_passes=("activation_in_gemm",))
+    assert off.launches_after == result.report.launches_after + 1, (off.text(), result.report.text())
+    eager = copy.deepcopy(block)
+    fuser.apply(block, inputs(dtype=dtype))
+    for seed, T in ((1, 1), (2, 7)):
+        (x,) = inputs(T, dtype, seed)
+        problem = mismatch(block(x), eager(x), f"T={T}", LAYER)
+        assert problem is None, problem
+    assert block.__dict__[STATE_ATTR].calls.fused == 2
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        pytest.param(lambda: AddmmMLP(nn.ReLU(), beta=0.5), "beta, alpha", id="a beta"),
+        pytest.param(lambda: AddmmMLP(nn.ReLU(), matrix_bias=True), "adding a matrix", id="a matrix added"),
+    ],
+)
+def test_an_addmm_the_epilogue_cannot_take_keeps_its_activation(make, why):
+    torch.manual_seed(0)
+    result = fuser.check(make(), inputs())
+    assert result.ok, result.text()
+    assert result.report.activations_in_gemm == []
+    (reason,) = result.report.activations_apart.values()
+    assert why in reason, reason
+
+
+def test_gpt_2_s_mlp_gelu_is_done_by_its_conv1d_addmm(monkeypatch):
+    """transformers' GPT2Block as shipped: its MLP's ``Conv1D`` is ``torch.addmm`` of the
+    weight, its ``gelu_new`` written out."""
+    from examples.zoo import layers as zoo
+    from examples.zoo.sweep import spec_of
+
+    monkeypatch.setitem(zoo.UNSEEN, "gpt2", spec_of("gpt2"))
+    layer, args, kwargs = zoo.build("gpt2", T=3)
+    result = fuser.check(layer, args, example_kwargs=kwargs)
+    assert result.ok, result.problems
+    assert result.report.activations_in_gemm == ["mul_3 (gelu_new) of mlp.c_fc (torch.addmm)"], result.report.text()
+    assert {u.op for u in result.report.unfused} == {"add"}, result.report.text()
 
 
 def test_a_weight_changed_after_apply_is_used():
@@ -230,6 +298,22 @@ def test_on_the_gpu_the_gemm_applies_the_activation_in_one_kernel(gelu, dtype):
         # own for the bias and activation (as many launches as PyTorch's linear and activation:
         # why the pass leaves fp32 on CUDA alone); in half precision one kernel.
         assert 1 <= len(kernels) <= (2 if dtype == torch.float32 else 1), kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_on_the_gpu_an_addmm_of_an_in_out_weight_applies_the_activation_in_one_kernel(dtype):
+    """GPT-2's layout: the weight ``[in, out]`` as it is (a linear layer's is transposed)."""
+    g = torch.Generator().manual_seed(1)
+    for rows, k, n in ((1, 768, 3072), (5, 1600, 6400), (64, 1024, 4096)):
+        x = torch.randn(rows, k, generator=g).to(dtype).cuda()
+        w = (torch.randn(k, n, generator=g) / k**0.5).to(dtype).cuda()
+        b = torch.randn(n, generator=g).to(dtype).cuda()
+        expected = F.gelu(torch.addmm(b.double(), x.double(), w.double()), approximate="tanh")
+        got = addmm_activation(b, x, w, True)
+        torch.testing.assert_close(got.double(), expected, **GPU_TOLERANCE[dtype], msg=f"{rows}x{k}x{n}")
+        kernels = _kernels(lambda: addmm_activation(b, x, w, True))
+        assert len(kernels) == 1, kernels
 
 
 @pytest.mark.gpu
