@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fuser.ir.canonical_op import COMPUTE, UNIT_VIEW, VIEW, COp
+from fuser.ir.canonical_op import COMPUTE, UNIT_VIEW, VIEW, COp, viewed
 
 _MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fuser_shared_memo", default=None)
 _PLAIN = (int, float, bool, str, type(None))
@@ -126,7 +126,7 @@ def _input_or_view(node: fx.Node, cops) -> bool:
 def _only_read(node: fx.Node, cops) -> bool:
     for user in node.users:
         cop = cops.get(user)
-        if cop is not None and (cop.kind in (VIEW, UNIT_VIEW) or cop.op == "identity"):
+        if viewed(cop) is not None:
             if not _only_read(user, cops):
                 return False
             continue

@@ -61,6 +61,13 @@ def through_identities(cops: dict, node):
     return node
 
 
+def viewed(cop: "COp | None") -> fx.Node | None:
+    """The node ``cop``'s value is a view of (or is: an ``identity``), else None."""
+    if cop is None or not (cop.kind in (VIEW, UNIT_VIEW) or cop.op == "identity") or not cop.args:
+        return None
+    return cop.args[0] if isinstance(cop.args[0], fx.Node) else None
+
+
 def op_name(node: fx.Node) -> str:
     """A readable name for an fx node's target: 'mul', 'rsqrt', 'mlp.experts', ..."""
     if node.op == "call_method":

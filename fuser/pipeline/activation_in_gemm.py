@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fuser.canon.canonicalize import UNIT_VIEW, VIEW
+from fuser.ir.canonical_op import viewed
 from fuser.install.fused_graph import REGION_META
 from fuser.match.matcher import match_pattern
 from fuser.pattern import Pattern, tensor
@@ -134,8 +134,8 @@ def _gemm_of(x: fx.Node, module: nn.Module, cops: dict) -> tuple[fx.Node, str] |
     """The traced GEMM whose output the activation reads (through views: GPT-2's ``Conv1D``
     views ``torch.addmm``'s rows back to the input's shape), and its name: a linear layer's
     call, or ``torch.addmm`` (named by its weight's module); None for anything else."""
-    while _is_view(x, cops):
-        x = cops[x].args[0]
+    while viewed(cops.get(x)) is not None:
+        x = viewed(cops[x])
     if x.op == "call_module":
         return (x, x.target) if isinstance(module.get_submodule(x.target), nn.Linear) else None
     if x.op == "call_function" and x.target is torch.addmm:
@@ -145,13 +145,6 @@ def _gemm_of(x: fx.Node, module: nn.Module, cops: dict) -> tuple[fx.Node, str] |
     return None
 
 
-def _is_view(node: fx.Node, cops: dict) -> bool:
-    """A view of another node's value (or the value itself: a reshape to its own shape)."""
-    cop = cops.get(node)
-    viewing = cop is not None and (cop.kind in (VIEW, UNIT_VIEW) or cop.op == "identity")
-    return viewing and bool(cop.args) and isinstance(cop.args[0], fx.Node)
-
-
 def _read(gemm: fx.Node, m, cops: dict) -> tuple[fx.Node, set]:
     """The value the activation reads: the GEMM's output or the last of the views that lead
     from it to the activation alone (a reshape to the same shape is the value itself); and
@@ -159,7 +152,7 @@ def _read(gemm: fx.Node, m, cops: dict) -> tuple[fx.Node, set]:
     node = read = gemm
     while not set(node.users) <= m.nodes:
         (user, *more) = node.users
-        if more or not _is_view(user, cops):
+        if more or viewed(cops.get(user)) is None:
             return read, set(node.users) - m.nodes
         node = user
         read = read if cops[node].op == "identity" else node

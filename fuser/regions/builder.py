@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from fuser.ir import ops
+from fuser.ir.canonical_op import viewed
 from fuser.canon.canonicalize import COMPUTE, HEAVY, INPUT, META, MUTATION, REDUCING, UNIT_VIEW, VIEW, COp, op_name
 from fuser.match.matcher import Match, Rejection
 from fuser.pattern import is_hand_written
@@ -492,9 +493,7 @@ def _alias_classes(graph: fx.Graph, cops: dict[fx.Node, COp]) -> dict[fx.Node, f
     """Union of values that may share storage: a view and its base, an identity and its source."""
     classes = _Classes(graph.nodes)
     for node in graph.nodes:
-        cop = cops.get(node)
-        if cop and (cop.kind in (VIEW, UNIT_VIEW) or cop.op == "identity") and cop.args:
-            base = cop.args[0]
-            if isinstance(base, fx.Node):
-                classes.join(node, base)
+        base = viewed(cops.get(node))
+        if base is not None:
+            classes.join(node, base)
     return {n: classes.find(n) for n in graph.nodes}
