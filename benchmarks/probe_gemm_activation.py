@@ -12,43 +12,22 @@ it) and the kernels one call launches.
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fuser.tools.bench import launched_kernels  # noqa: E402
+from fuser.tools.tune import time_launches_us  # noqa: E402
 
 SHAPES = {"gptj": (4096, 16384), "phi2": (2560, 10240), "starcoder2": (4608, 18432), "gpt_neox": (6144, 24576)}
 
 
 def gelu_new(x):
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def time_us(fn, calls=20, replays=200) -> float:
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / calls
-
-
-def kernels(fn) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def main() -> None:
@@ -72,10 +51,10 @@ def main() -> None:
                     "epilogue relu": lambda: torch._addmm_activation(b, x, w.t(), use_gelu=False),
                 }
                 row = dict(layer=name, dtype=str(dtype).removeprefix("torch."), T=T)
-                row.update({v: round(time_us(fn), 2) for v, fn in variants.items()})
+                row.update({v: round(time_launches_us(fn, (), launches=20, replays=200, warmups=3), 2) for v, fn in variants.items()})
                 row["error eager gelu_new"] = (gelu_new(F.linear(x, w, b)).double() - ref).abs().max().item()
                 row["error epilogue"] = (variants["epilogue gelu_tanh"]().double() - ref).abs().max().item()
-                row["kernels epilogue"] = kernels(variants["epilogue gelu_tanh"])
+                row["kernels epilogue"] = [name[:60] for name in launched_kernels(variants["epilogue gelu_tanh"])]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:

@@ -172,6 +172,14 @@ def _kernels(prof) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.end - e.time_range.start) for e in events]
 
 
+def launched_kernels(call: Callable) -> list[str]:
+    """The names of the kernels one ``call()`` launches, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [name for name, _ in _kernels(prof)]
+
+
 _MARKING = [False]  # set while kernel_classes profiles: leaves then launch marker kernels
 _DEPTH = [0]  # heavy calls in progress: only the outermost one is marked
 

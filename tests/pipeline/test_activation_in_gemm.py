@@ -14,6 +14,7 @@ from transformers.activations import ACT2FN
 import fuser
 from fuser.install.splice import STATE_ATTR
 from fuser.pipeline.activation_in_gemm import addmm_activation, linear_activation
+from fuser.tools.bench import launched_kernels
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import PROMPT, STEPS, greedy, prefilled, step
 from tests.model.test_model import causal_lm
@@ -60,65 +61,6 @@ class Subclass(nn.Linear):
     pass
 
 
-def inputs(T=5, dtype=torch.float32, seed=0):
-    return (torch.randn(T, D, generator=torch.Generator().manual_seed(seed)).to(dtype),)
-
-
-ACTIVATIONS = {
-    "relu": (nn.ReLU(), "relu"),
-    "gelu_pytorch_tanh": (ACT2FN["gelu_pytorch_tanh"], "gelu_tanh"),
-    "gelu_new": (ACT2FN["gelu_new"], "gelu_new"),
-    "gelu_fast": (ACT2FN["gelu_fast"], "gelu_fast"),
-    "F.gelu tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(ACTIVATIONS))
-def test_the_activation_is_done_by_the_gemm_and_the_result_is_eager_s(name, dtype):
-    torch.manual_seed(0)
-    act, kind = ACTIVATIONS[name]
-    block = MLP(act).to(dtype)
-    result = fuser.check(block, inputs(dtype=dtype))
-    assert result.ok, result.text()
-    (entry,) = result.report.activations_in_gemm
-    assert entry.endswith(f"({kind}) of up"), entry
-    assert "activations applied by the GEMM" in result.report.text()
-
-    off = fuser.explain(block, inputs(dtype=dtype), disable_passes=("activation_in_gemm",))
-    assert off.activations_in_gemm == []
-    assert off.launches_after == result.report.launches_after + 1, (off.text(), result.report.text())
-
-    eager = copy.deepcopy(block)
-    fuser.apply(block, inputs(dtype=dtype))
-    for seed, T in ((1, 1), (2, 7), (3, 16)):
-        (x,) = inputs(T, dtype, seed)
-        problem = mismatch(block(x), eager(x), f"T={T}", LAYER)
-        assert problem is None, problem
-    assert block.__dict__[STATE_ATTR].calls.fused == 3
-
-
-@pytest.mark.parametrize(
-    "make, why",
-    [
-        pytest.param(lambda: MLP(nn.GELU()), "the exact (erf) GELU", id="the exact GELU"),
-        pytest.param(lambda: MLP(nn.ReLU(), bias=False), "with a bias", id="no bias"),
-        pytest.param(lambda: MLP(nn.ReLU(), up=Subclass), "not exactly torch.nn.Linear", id="a subclass"),
-        pytest.param(lambda: ReadTwice(ACT2FN["gelu_new"]), "read by", id="the output read again"),
-        pytest.param(lambda: Squared(nn.ReLU()), "shares a kernel", id="relu squared"),
-    ],
-)
-def test_where_the_epilogue_would_compute_something_else_the_activation_stays_with_its_reason(make, why):
-    torch.manual_seed(0)
-    block = make()
-    result = fuser.check(block, inputs())
-    assert result.ok, result.text()
-    assert result.report.activations_in_gemm == [], result.report.text()
-    (reason,) = result.report.activations_apart.values()
-    assert why in reason, reason
-    assert "left apart from it:" in result.report.text()
-
-
 class AddmmMLP(nn.Module):
     """The up projection as ``torch.addmm`` of a ``[in, out]`` weight, its rows viewed back
     (GPT-2's ``Conv1D``); ``beta`` and a matrix ``bias`` break the epilogue's form."""
@@ -136,41 +78,81 @@ class AddmmMLP(nn.Module):
         return x + self.down(self.act(h))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["relu", "gelu_new"])
-def test_an_addmm_s_activation_is_done_by_the_addmm(name, dtype):
-    torch.manual_seed(0)
-    act, kind = ACTIVATIONS[name]
-    block = AddmmMLP(act).to(dtype)
+def inputs(T=5, dtype=torch.float32, seed=0):
+    return (torch.randn(T, D, generator=torch.Generator().manual_seed(seed)).to(dtype),)
+
+
+ACTIVATIONS = {
+    "relu": (nn.ReLU(), "relu"),
+    "gelu_pytorch_tanh": (ACT2FN["gelu_pytorch_tanh"], "gelu_tanh"),
+    "gelu_new": (ACT2FN["gelu_new"], "gelu_new"),
+    "gelu_fast": (ACT2FN["gelu_fast"], "gelu_fast"),
+    "F.gelu tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
+}
+
+
+def applied_by_the_gemm(block, dtype, tokens) -> str:
+    """``block`` checked against eager with its one activation applied by the GEMM (one launch
+    fewer than with the pass off), then fused and called at other token counts, each eager's;
+    returns the report's entry."""
     result = fuser.check(block, inputs(dtype=dtype))
     assert result.ok, result.text()
     (entry,) = result.report.activations_in_gemm
-    assert entry.endswith(f"({kind}) of addmm (torch.addmm)"), entry  # (its weight is the module's own: no owner to name)
+    assert "activations applied by the GEMM" in result.report.text()
+
     off = fuser.explain(block, inputs(dtype=dtype), disable_passes=("activation_in_gemm",))
+    assert off.activations_in_gemm == []
     assert off.launches_after == result.report.launches_after + 1, (off.text(), result.report.text())
+
     eager = copy.deepcopy(block)
     fuser.apply(block, inputs(dtype=dtype))
-    for seed, T in ((1, 1), (2, 7)):
+    for seed, T in enumerate(tokens, start=1):
         (x,) = inputs(T, dtype, seed)
         problem = mismatch(block(x), eager(x), f"T={T}", LAYER)
         assert problem is None, problem
-    assert block.__dict__[STATE_ATTR].calls.fused == 2
+    assert block.__dict__[STATE_ATTR].calls.fused == len(tokens)
+    return entry
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_the_activation_is_done_by_the_gemm_and_the_result_is_eager_s(name, dtype):
+    torch.manual_seed(0)
+    act, kind = ACTIVATIONS[name]
+    entry = applied_by_the_gemm(MLP(act).to(dtype), dtype, (1, 7, 16))
+    assert entry.endswith(f"({kind}) of up"), entry
 
 
 @pytest.mark.parametrize(
     "make, why",
     [
-        pytest.param(lambda: AddmmMLP(nn.ReLU(), beta=0.5), "beta, alpha", id="a beta"),
-        pytest.param(lambda: AddmmMLP(nn.ReLU(), matrix_bias=True), "adding a matrix", id="a matrix added"),
+        pytest.param(lambda: MLP(nn.GELU()), "the exact (erf) GELU", id="the exact GELU"),
+        pytest.param(lambda: MLP(nn.ReLU(), bias=False), "with a bias", id="no bias"),
+        pytest.param(lambda: MLP(nn.ReLU(), up=Subclass), "not exactly torch.nn.Linear", id="a subclass"),
+        pytest.param(lambda: ReadTwice(ACT2FN["gelu_new"]), "read by", id="the output read again"),
+        pytest.param(lambda: Squared(nn.ReLU()), "shares a kernel", id="relu squared"),
+        pytest.param(lambda: AddmmMLP(nn.ReLU(), beta=0.5), "beta, alpha", id="an addmm with a beta"),
+        pytest.param(lambda: AddmmMLP(nn.ReLU(), matrix_bias=True), "adding a matrix", id="an addmm adding a matrix"),
     ],
 )
-def test_an_addmm_the_epilogue_cannot_take_keeps_its_activation(make, why):
+def test_where_the_epilogue_would_compute_something_else_the_activation_stays_with_its_reason(make, why):
     torch.manual_seed(0)
-    result = fuser.check(make(), inputs())
+    block = make()
+    result = fuser.check(block, inputs())
     assert result.ok, result.text()
-    assert result.report.activations_in_gemm == []
+    assert result.report.activations_in_gemm == [], result.report.text()
     (reason,) = result.report.activations_apart.values()
     assert why in reason, reason
+    assert "left apart from it:" in result.report.text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["relu", "gelu_new"])
+def test_an_addmm_s_activation_is_done_by_the_addmm(name, dtype):
+    torch.manual_seed(0)
+    act, kind = ACTIVATIONS[name]
+    entry = applied_by_the_gemm(AddmmMLP(act).to(dtype), dtype, (1, 7))
+    assert entry.endswith(f"({kind}) of addmm (torch.addmm)"), entry  # (its weight is the module's own: no owner to name)
 
 
 def test_gpt_2_s_mlp_gelu_is_done_by_its_conv1d_addmm(monkeypatch):
@@ -261,13 +243,6 @@ def test_a_causal_lm_s_mlp_activation_is_done_by_its_up_projection(name):
             assert problem is None, problem
 
 
-def _kernels(fn) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 # Against the fp32 reference computed from the rounded inputs: one rounding of the result (bf16
 # 2^-8, fp16 2^-11 relative), plus the accumulation order of a K-long sum.
 GPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -293,7 +268,7 @@ def test_on_the_gpu_the_gemm_applies_the_activation_in_one_kernel(gelu, dtype):
         torch.testing.assert_close(got.double(), expected, **GPU_TOLERANCE[dtype], msg=f"{rows}x{k}x{n}")
         if gelu and dtype == torch.float32:
             assert (got.double() - F.gelu(linear)).abs().max() > 1e-4  # not the exact GELU
-        kernels = _kernels(lambda: linear_activation(x, w, b, gelu))
+        kernels = launched_kernels(lambda: linear_activation(x, w, b, gelu))
         # fp32: at small sizes cuBLAS runs a GEMV or small GEMM, then at times a kernel of its
         # own for the bias and activation (as many launches as PyTorch's linear and activation:
         # why the pass leaves fp32 on CUDA alone); in half precision one kernel.
@@ -312,7 +287,7 @@ def test_on_the_gpu_an_addmm_of_an_in_out_weight_applies_the_activation_in_one_k
         expected = F.gelu(torch.addmm(b.double(), x.double(), w.double()), approximate="tanh")
         got = addmm_activation(b, x, w, True)
         torch.testing.assert_close(got.double(), expected, **GPU_TOLERANCE[dtype], msg=f"{rows}x{k}x{n}")
-        kernels = _kernels(lambda: addmm_activation(b, x, w, True))
+        kernels = launched_kernels(lambda: addmm_activation(b, x, w, True))
         assert len(kernels) == 1, kernels
 
 
