@@ -38,7 +38,11 @@ MODELS = {
     "gptj_6b": ("gptj", 4, {}),  # parallel residual, gelu_new, rotary over 64 of 256 dims, eager attention
     "starcoder2_7b": ("starcoder2", 4, {}),  # biases everywhere, gelu_tanh MLP
     "gpt_neox_20b": ("gpt_neox", 4, {}),  # head dim 96, a quarter of it rotary, exact GELU
+    # GPT-2 XL: Conv1D projections (addmm of [in, out] weights), learned positions, tanh GELU
+    "gpt2_xl": ("gpt2", 4, dict(n_embd=1600, n_head=25, n_inner=6400, n_positions=1024, vocab_size=50257)),
 }
+# Models of no zoo layer: their module, config and CausalLM classes
+LM_ONLY = {"gpt2": dict(module="gpt2", config="GPT2Config", lm="GPT2LMHeadModel")}
 
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk")
@@ -49,7 +53,12 @@ def config(name: str, layers: int | None = None, **overrides):
     """The config of benchmark model ``name``: its real dims, ``layers`` decoder layers (the
     model's count by default), each like the first."""
     model, count, changes = MODELS[name]
-    cfg = zoo.config(model, "cuda" if model in zoo.MODELS else "cpu")  # (a model of UNSEEN: its dims given here)
+    if model in LM_ONLY:
+        spec = LM_ONLY[model]
+        cfg = getattr(__import__(f"transformers.models.{spec['module']}", fromlist=["_"]), spec["config"])()
+        cfg._attn_implementation = "sdpa"
+    else:
+        cfg = zoo.config(model, "cuda" if model in zoo.MODELS else "cpu")  # (a model of UNSEEN: its dims given here)
     cfg.num_hidden_layers = layers or count
     for key in ("layer_types", "mlp_layer_types"):
         if getattr(cfg, key, None):
@@ -67,11 +76,11 @@ def causal_lm(name: str, layers: int | None = None, device="cuda", **overrides):
     """The CausalLM ``name`` (random weights, seed 0), bf16, in eval mode, on ``device`` (the
     meta device makes one with no memory, for counting)."""
     model = MODELS[name][0]
-    spec = zoo.MODELS.get(model) or zoo.UNSEEN[model]
+    spec = LM_ONLY.get(model) or zoo.MODELS.get(model) or zoo.UNSEEN[model]
     code = __import__(f"transformers.models.{spec['module']}", fromlist=["_"])
     torch.manual_seed(0)
     with torch.device(device):
-        lm = getattr(code, spec["prefix"] + "ForCausalLM")(config(name, layers, **overrides))
+        lm = getattr(code, spec.get("lm") or spec["prefix"] + "ForCausalLM")(config(name, layers, **overrides))
     return lm.to(torch.bfloat16).eval()
 
 
