@@ -52,6 +52,36 @@ def _run(launch: Callable, args: tuple):
     return launch(*args)
 
 
+#: A memo key's mark for results handed over by another kernel (taken once, then dropped).
+_HANDED = "handed over"
+
+
+def hand_over(launch: Callable, args: tuple, results: tuple) -> bool:
+    """Leave ``results`` as what ``launch(*args)`` gives within this forward, once: computed by
+    another kernel (:mod:`fuser.pipeline.next_layer_entry`). False outside a shared forward."""
+    memo = _MEMO.get()
+    key = _key(launch, args) if memo is not None else None
+    if key is None:
+        return False
+    memo[(_HANDED, key)] = (args, results)  # the args held: their memory stays theirs
+    return True
+
+
+def take_handed_over(launch: Callable) -> Callable:
+    """``launch``, giving the results another kernel handed over for the same arguments
+    (:func:`hand_over`) instead of running; each is taken once, so that the memo holds no
+    activation longer than the next layer needs it."""
+
+    @functools.wraps(launch)
+    def taken(*args):
+        memo = _MEMO.get()
+        key = _key(launch, args) if memo else None
+        found = memo.pop((_HANDED, key), None) if key is not None else None
+        return found[1] if found is not None else _run(launch, args)
+
+    return taken
+
+
 def _key(launch: Callable, args: tuple) -> tuple | None:
     """What a launch is known by: each tensor by its memory (address, sizes, strides, dtype,
     device) and its version counter, which every view of the memory shares and every write

@@ -63,6 +63,8 @@ class Report:
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
+    across_layers: list[str] = field(default_factory=list)  # the next layer's entry kernels this layer's kernels compute
+    across_layers_apart: str = ""  # why a layer of a stack computes none
     disabled_passes: list[str] = field(default_factory=list)  # passes switched off by name (fuser.pipeline.pass_list)
     glue_nodes_before: int = 0
     glue_nodes_after: int = 0
@@ -111,6 +113,12 @@ class Report:
         if self.shared:
             lines += ["", "kernels of the call's inputs alone, run once per forward of the model for the layers given "
                       f"the same inputs (fuser.install.once_per_forward): {', '.join(self.shared)}"]
+        if self.across_layers:
+            lines += ["", "the next layer's first kernels, computed by this layer's (handed over within a forward of the "
+                          "model; the first layer, and a layer called on its own, launch them; fuser.pipeline.next_layer_entry):"]
+            lines += [f"  {line}" for line in self.across_layers]
+        elif self.across_layers_apart:
+            lines += ["", f"no glue across layers: {self.across_layers_apart}"]
         if self.precomputed:
             lines += ["", f"computed from parameters at apply time, again when they change: {', '.join(self.precomputed)}"]
         if self.merged_projections:

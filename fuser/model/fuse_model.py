@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 
 from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
+from fuser.pipeline.next_layer_entry import NEXT, NextLayer, entries_of
+from fuser.pipeline.pass_list import switched_off
 from fuser.regions.lone_ops import gave_a_kernel
 from fuser.model.model_report import LayerGroup, ModelReport
 from fuser.model.layer_stacks import decoder_stacks, layer_stacks  # noqa: F401 - layer_stacks: the api asks
@@ -74,6 +76,8 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
     if stacks != candidates:  # the modules around the stacks are others: a forward that watches them
         calls = record_calls(model, args, kwargs, _watched(model, stacks))
     layers = [(f"{name}.{i}", layer) for name, stack in stacks for i, layer in enumerate(stack)]
+    # each layer's next in its stack (the last layer's: itself), which its kernels may compute the entry of
+    following = {id(layer): NextLayer(stack, min(i + 1, len(stack) - 1)) for _, stack in stacks for i, layer in enumerate(stack)}
     others = _other_submodules(model, {n for n, _ in stacks})
     parents = _stack_parents(model, [n for n, _ in stacks])
     if any(is_fused(m) for m in model.modules()):
@@ -84,7 +88,9 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
     try:
         for group in groups_of(layers, options.get("leaves", ())):
             started = time.perf_counter()
-            groups = _fuse_group(group, calls, options, fused, progress)
+            groups = _fuse_group(group, calls, options, fused, progress, following)
+            for g in groups:
+                g.handed_to = _handed_to(g, stacks)
             report.groups += groups
             _log_group(progress, group, groups, started)
         for name, module in others:
@@ -99,7 +105,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
             own = dict(options, leaves=[*options.get("leaves", ()), *children],
                        batch_inputs=_batch_inputs(module, *call[:2], batch=batch) if call else {})  # fmt: skip
             _fuse_other(f"{name or type(module).__name__}.forward", module, call, own, report, fused, progress)
-        if any(g.report.shared for g in report.groups if g.report):
+        if any(g.report.shared or g.report.across_layers for g in report.groups if g.report):
             for _, module in parents:
                 share_within(module)
                 add_copy_hooks(module)
@@ -190,7 +196,7 @@ def _log_group(progress: Progress, group, groups: list[LayerGroup], started: flo
                           g.report.launches_before, g.report.launches_after, since=started)  # fmt: skip
 
 
-def _fuse_group(group, calls, options, fused: list, progress: Progress) -> list[LayerGroup]:
+def _fuse_group(group, calls, options, fused: list, progress: Progress, following: dict) -> list[LayerGroup]:
     """Fuse one structure's layers with one plan; layers whose literals or outputs differ get
     a plan of their own. Returns the groups as fused (or left eager)."""
     (first_name, first), rest = group[0], group[1:]
@@ -200,6 +206,7 @@ def _fuse_group(group, calls, options, fused: list, progress: Progress) -> list[
     except Exception as e:  # noqa: BLE001 - a structure fuser cannot fuse stays eager, reported
         progress.advance(len(group))
         return [LayerGroup([name for name, _ in group], eager=f"{type(e).__name__}: {e}")]
+    p = _across_layers(p, group, calls[id(first)], options, following)
     # The plan's kernels each passed validation on the first layer's inputs; every layer,
     # the first too, is then checked whole against its own eager forward. One that disagrees
     # (a MoE router picking another expert on its data) stays eager; the others share the plan.
@@ -225,7 +232,7 @@ def _fuse_group(group, calls, options, fused: list, progress: Progress) -> list[
             apart.append((name, layer))  # a scalar the fused graph holds differs: its own plan
             continue
         precomputed = dataclasses.replace(p.precomputed, seen=(), warned=False) if p.precomputed else None
-        computed = dict(zip(p.precomputed.names, _computed(p.precomputed, layer))) if p.precomputed else {}
+        computed = dict(zip(p.precomputed.names, _computed(p.precomputed, layer, p))) if p.precomputed else {}
         constants = {**p.traced.constants, **computed}
         _install(layer, p, constants, precomputed, fused, literals)
         problem, tied = _disagrees(layer, calls[id(layer)], p)
@@ -240,19 +247,77 @@ def _fuse_group(group, calls, options, fused: list, progress: Progress) -> list[
             shared.near_ties[name] = tied
     result = ([shared] if shared.layers else []) + left
     for name, layer in apart:  # planned on their own: another structure in all but the look
-        result += _fuse_group([(name, layer)], calls, options, fused, progress)
+        result += _fuse_group([(name, layer)], calls, options, fused, progress, following)
     return result
 
 
-def _computed(precomputed, layer: nn.Module) -> tuple:
-    with torch.no_grad():
-        return tuple(v.detach().clone() for v in precomputed.compute(layer))
+def _computed(precomputed, layer: nn.Module, p: Plan) -> tuple:
+    if p.hand_overs:  # (a value of the next layer's parameters: read through the layer's NEXT)
+        layer.__dict__[NEXT] = p.next_of[id(layer)]
+    try:
+        with torch.no_grad():
+            return tuple(v.detach().clone() for v in precomputed.compute(layer))
+    finally:
+        layer.__dict__.pop(NEXT, None)
 
 
 def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, literals=None) -> None:
+    if p.hand_overs:
+        constants = {**constants, NEXT: p.next_of[id(layer)]}
     install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals, p.merged,
             p.bypassed)  # fmt: skip
     fused.append(layer)
+
+
+def _handed_to(group: LayerGroup, stacks) -> int:
+    """The layers of ``group`` whose layer before them in their stack is of ``group`` too."""
+    if group.report is None or not group.report.across_layers:
+        return 0
+    names = set(group.layers)
+    return sum(f"{name}.{i - 1}" in names for name, stack in stacks for i in range(1, len(stack)) if f"{name}.{i}" in names)
+
+
+def _across_layers(p: Plan, group, call, options, following: dict) -> Plan:
+    """The plan of ``group``'s layers with the next layer's entry kernels computed by each
+    layer's own (:mod:`fuser.pipeline.next_layer_entry`), planned on the group's first layer
+    with the second as its next; ``p`` where that saves no launch, the reason in its report."""
+    if len(group) < 2 or "glue_across_layers" in switched_off(options.get("disable_passes", ())):
+        return p
+    entries, why = entries_of(p.kernels, p.traced, p.cops, p.shared_kernels)
+    if not entries:
+        p.report.across_layers_apart = why
+        return p
+    (_, first), (_, second) = group[0], group[1]
+    args, kwargs, _ = call
+    first.__dict__[NEXT] = NextLayer([second], 0)
+    try:
+        across = plan(first, args, example_kwargs=kwargs, batch_inputs=_batch_inputs(first, args, kwargs),
+                      next_entries=entries, **options)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the layers are fused each on its own, as before
+        p.report.across_layers_apart = f"planned with the next layer's entry, it failed: {type(e).__name__}: {e}"
+        return p
+    finally:
+        first.__dict__.pop(NEXT, None)
+    handed = [h for h in across.hand_overs if h.launch is not None]
+    if not handed or across.report.launches_after - len(handed) >= p.report.launches_after:
+        p.report.across_layers_apart = (
+            f"computing the next layer's entry ({', '.join(e.kernel for e in entries)}) here saves no launch: "
+            f"{across.report.launches_after} a layer with it ({across.report.launches_after - len(handed)} where the "
+            f"layer before hands its entry over), {p.report.launches_after} without"
+        )
+        return p
+    across.next_of, across.layer_graph = following, p.traced.graph
+    across.report.launches_before, across.report.glue_nodes_before = p.report.launches_before, p.report.glue_nodes_before
+    across.report.across_layers = [_handed_line(h, across) for h in handed]
+    return across
+
+
+def _handed_line(hand, p: Plan) -> str:
+    """"<entry kernel> of the next layer: computed by <kernel>" for a report."""
+    node = next(n for n in p.traced.graph.nodes if n.target is hand)
+    outputs = set(node.args[len(hand.entry.inputs):])
+    makers = [k.path.stem for k in p.kernels if k.path and outputs & set(k.region.outputs)]
+    return f"{hand.entry.kernel} ({', '.join(hand.entry.outputs)}) of the next layer: computed by {', '.join(makers) or 'PyTorch'}"
 
 
 def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fused: list) -> bool:
@@ -268,7 +333,7 @@ def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fu
                        batch_inputs=_batch_inputs(layer, args, kwargs))  # fmt: skip
     except Exception:  # noqa: BLE001 - it does not trace alike
         return False
-    if graph_key(traced.graph) == graph_key(p.traced.graph):
+    if graph_key(traced.graph) == graph_key(p.traced_graph):
         return True
     read = attributes_read_by_leaves(p, first, layer, traced.graph)
     if read is None:

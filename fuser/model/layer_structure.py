@@ -44,7 +44,7 @@ def attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, graph
     """Where ``graph`` (``layer``'s trace) differs from ``p``'s only in int arguments of leaf
     calls, each the value of one attribute the plan holds as a literal in both layers: those
     (node name, argument position, attribute path); None when they differ in anything else."""
-    mine, theirs = list(p.traced.graph.nodes), list(graph.nodes)
+    mine, theirs = list(p.traced_graph.nodes), list(graph.nodes)
     if len(mine) != len(theirs):
         return None
     paths = tuple(p.literals)

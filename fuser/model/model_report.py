@@ -20,6 +20,9 @@ class LayerGroup:
     # layer -> tokens its check left out: near ties of a top-k (a router's) in eager's scores,
     # and tokens where eager's own output is not settled by its input (model._unsettled)
     near_ties: dict[str, list[int]] = field(default_factory=dict)
+    # layers given their entry kernels' results by the layer before them, of this group too
+    # (fuser.pipeline.next_layer_entry): they launch ``len(report.across_layers)`` fewer
+    handed_to: int = 0
 
 
 @dataclass
@@ -47,6 +50,7 @@ class ModelReport:
         layers = sum(getattr(g.report, what) * len(g.layers) for g in self.groups if g.report)
         if what == "launches_after":  # a kernel of the layers' inputs alone: once for the group
             layers -= sum(len(g.report.shared) * (len(g.layers) - 1) for g in self.groups if g.report)
+            layers -= sum(len(g.report.across_layers) * g.handed_to for g in self.groups if g.report)
         return layers + sum(getattr(r, what) for r in self.others.values())
 
     @property
@@ -75,6 +79,9 @@ class ModelReport:
             else:
                 r = g.report
                 lines += ["", f"{head}: {r.launches_before} -> {r.launches_after} launches each, {len(r.chains)} kernels shared"]
+                if g.handed_to:
+                    lines.append(f"  {g.handed_to} of them given their first kernels' results by the layer before: "
+                                 f"{r.launches_after - len(r.across_layers)} launches each")
                 for name, rows in g.near_ties.items():
                     lines.append(f"  checked against eager without tokens {rows} of {name}: near ties, where eager's own choice is not "
                                  "settled by its input (a top-k's k-th and next scores meet, or its output moves as far with "

@@ -54,6 +54,16 @@ class Plan:
     literals: dict = field(default_factory=dict)  # module scalar attribute (dotted path) -> value fused in
     merged: MergedWeights | None = None  # linear layers run as one GEMM on their weights merged at install
     bypassed: tuple[str, ...] = ()  # submodules the fused graph runs the work of without calling them
+    hand_overs: list = field(default_factory=list)  # the next layer's entries it computes (fuser.pipeline.next_layer_entry)
+    taken: list = field(default_factory=list)  # its kernels that take an entry handed over
+    shared_kernels: list = field(default_factory=list)  # its kernels run once per model forward
+    next_of: dict = field(default_factory=dict)  # id(layer) -> the NextLayer it hands over to (fuser.model.fuse_model)
+    layer_graph: fx.Graph | None = None  # with hand-overs: the layer's trace without them, as other layers trace
+
+    @property
+    def traced_graph(self) -> fx.Graph:
+        """The layer's traced graph as a trace of another layer of its structure gives it."""
+        return self.layer_graph if self.layer_graph is not None else self.traced.graph
 
 
 def plan(
@@ -68,6 +78,7 @@ def plan(
     validate: bool = True,
     precompute: bool = True,
     disable_passes: Iterable[str] | str = (),
+    next_entries: list | None = None,
 ) -> Plan:
     """Everything :func:`apply` does except installing the fused forward: the steps of
     :data:`~fuser.pipeline.pass_list.PASS_LIST` in order, but those ``disable_passes`` (and
@@ -83,7 +94,8 @@ def plan(
     # are loaded or updated after fusing are seen); parameter-only glue then runs every step.
     off = {*disabled, *(() if validate else ("validate",)), *(() if precompute else ("precompute",))}
     all_patterns = load_patterns(list(patterns), template_names())
-    f = run_pass_list(Fusing(module, tuple(example_inputs), example_kwargs, leaves, all_patterns, batch_inputs, frozenset(off)))
+    f = run_pass_list(Fusing(module, tuple(example_inputs), example_kwargs, leaves, all_patterns, batch_inputs, frozenset(off),
+                             list(next_entries or ())))  # fmt: skip
     traced, cops, kernels, constants = f.traced, f.cops, f.kernels, f.constants
     report = _report(module, traced, cops, kernels, f.planning.rejected, f.planning.failed, f.survivors)
     report_copies(report, f.copies)
@@ -111,6 +123,7 @@ def plan(
     p.literals = dict(report.literals)
     p.cops = cops
     p.merged = f.merged
+    p.hand_overs, p.taken, p.shared_kernels = f.hand_overs, f.taken, f.shared
     p.bypassed = tuple(name for g in (f.merged.groups if f.merged else ()) for name in g.layers) + tuple(
         linear for _, linear in f.residuals_in_gemm
     ) + tuple(gemm for _, _, gemm, layer in f.activations_in_gemm if layer) + tuple(f.uncalled)

@@ -33,12 +33,13 @@ from fuser.install.kv_cache import write_in_one_kernel
 from fuser.install.merged_weights import MergedWeights
 from fuser.install.free_sizes import free_sizes, reached_from
 from fuser.install.leaf_sizes import fed_by_state, size_checked
-from fuser.install.once_per_forward import once_per_forward, shareable
+from fuser.install.once_per_forward import once_per_forward, shareable, take_handed_over
 from fuser.pipeline import passes
 from fuser.pipeline.merged_projections import merge_projections
 from fuser.pipeline.residual_in_gemm import residuals_in_gemm
 from fuser.pipeline.activation_in_gemm import activations_in_gemm
 from fuser.pipeline.decode_gemms import decode_gemms
+from fuser.pipeline.next_layer_entry import add_next_entries
 from fuser.pipeline.passes import Planning, planning
 from fuser.trace import tracing
 from fuser.trace.tracing import Traced, trace
@@ -59,12 +60,15 @@ class Fusing:
     patterns: list  # loaded (fuser.match.pattern_files)
     batch_inputs: dict[str, int] | None
     off: frozenset[str] = frozenset()  # the switches turned off
+    next_entries: list = field(default_factory=list)  # the next layer's entry kernels to compute (fuser.pipeline.next_layer_entry)
     traced: Traced | None = None  # trace
     cops: dict = field(default_factory=dict)  # canonicalize: node -> its canonical op
     planning: Planning | None = None  # canonicalize, then the planning passes
     constants: dict = field(default_factory=dict)  # precompute: node -> (attribute, value)
     copies: list[Copy] = field(default_factory=list)  # copy_kernels
     shared: list[Kernel] = field(default_factory=list)  # once_per_forward
+    hand_overs: list = field(default_factory=list)  # next_layer_entry: each entry's HandOver
+    taken: list[Kernel] = field(default_factory=list)  # glue_across_layers: entry kernels that take a hand-over
     graph: fx.Graph | None = None  # rewrite_graph: the fused graph
     survivors: set = field(default_factory=set)  # rewrite_graph: the traced nodes it keeps
     free: dict = field(default_factory=dict)  # rewrite_graph: input -> dims of any size (install.free_sizes)
@@ -112,6 +116,11 @@ def trace_module(f: Fusing) -> None:
     rewrites = [p.run for p in PASS_LIST if p.inside == "trace" and p.switch not in f.off]
     f.traced = trace(f.module, f.example_inputs, example_kwargs=f.example_kwargs, leaves=f.leaves,
                      batch_inputs=f.batch_inputs, rewrites=rewrites)  # fmt: skip
+
+
+def next_layer_entry(f: Fusing) -> None:
+    if f.next_entries:
+        f.hand_overs = add_next_entries(f.traced, f.next_entries, f.module)
 
 
 def canonicalize_ops(f: Fusing) -> None:
@@ -169,13 +178,22 @@ def share_once_per_forward(f: Fusing) -> None:
     f.shared = [k for k in f.kernels if shareable(k.region, f.cops)]
 
 
+def link_hand_overs(f: Fusing) -> None:
+    """Each hand-over to this plan's kernel of the same entry; that kernel takes it."""
+    for hand in f.hand_overs:
+        kernel = next((k for k in f.kernels if k not in f.shared and hand.link(k)), None)
+        if kernel is not None:
+            f.taken.append(kernel)
+
+
 def fused_graph(f: Fusing) -> None:
     copied = {c.node for c in f.copies}
     from_state = fed_by_state(f.traced)
     f.free, f.near_literals = free_sizes(f.traced, f.cops, f.covered() | copied, from_state)
     fed = from_state | reached_from(f.traced.graph, f.free)
     launchers = {
-        i: size_checked(once_per_forward(k.launch) if k in f.shared else k.launch, k.path.name if k.path else str(i),
+        i: size_checked(once_per_forward(k.launch) if k in f.shared else take_handed_over(k.launch) if k in f.taken else k.launch,
+                        k.path.name if k.path else str(i),
                         k.region.inputs, f.traced, fed)
         for i, k in enumerate(f.kernels)
     }  # fmt: skip
@@ -228,6 +246,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("attention_calls", tracing.attention_calls, "sdpa calls given the un-repeated heads and an additive mask", inside="trace"),
     Pass("per_slice_norms", tracing.per_slice_norms, "a LayerNorm per slice of a tensor, weights per slice, as one LayerNorm with the weights stacked", inside="trace"),
     Pass("repeated_rows", tracing.repeated_rows, "the token rows repeated block by block (x.repeat(E, 1)) and the elementwise ops over them, over [blocks, tokens, ...]", inside="trace"),
+    Pass("next_layer_entry", next_layer_entry, "the next layer's entry kernels (given by fuser.model) computed again after the output, from the next layer's parameters", off_with="glue_across_layers"),
     Pass("canonicalize", canonicalize_ops, "each node's canonical op", required=True),
     Pass("growing_state", planning_pass(passes.hold_growing_state), "glue at the length of a cache that grows each call (a dynamic cache) kept eager"),
     Pass("fuse_patterns", planning_pass(passes.fuse_patterns), "each pattern match a region and its kernel"),
@@ -241,6 +260,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("precompute", precompute, "glue of parameters alone computed once, at apply time"),
     Pass("copy_kernels", choose_copy_kernels, "a copy kernel for each reshape left eager that must copy"),
     Pass("once_per_forward", share_once_per_forward, "kernels of the call's inputs alone launched once per model forward"),
+    Pass("glue_across_layers", link_hand_overs, "the next layer's entry kernels, computed by this layer's last kernel, handed over to the next layer's launch of them within a model forward (fuser.pipeline.next_layer_entry)"),
     Pass("rewrite_graph", fused_graph, "the fused graph: kernels in, the nodes they replace out", required=True),
     Pass("install_copies", copies_installed, "the copy kernels put in the fused graph", off_with="copy_kernels"),
     Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),

@@ -1,0 +1,228 @@
+"""next_layer_entry: the next layer's first kernel computed by this layer's last one — glue across
+layers.
+
+A stack of decoder layers hands its hidden states from each layer to the next: a layer's last
+glue makes them (its residual add, DeepSeek-V4's mHC combine) and the next layer's first kernel
+reads them with its own weights (its input norm, its mix statistics). Each layer fused on its
+own, those are two launches. Here a layer's traced graph gets, after its output, a copy of the
+nodes of the next layer's *entry* kernel — a kernel that reads only the hidden states and
+parameters — reading this layer's output and the next layer's
+parameters (through the attribute :data:`NEXT`, a :class:`NextLayer`). The region builder
+fuses the copy into the kernel that makes the output, and a :class:`HandOver` call after it
+leaves its results in the model forward's memo (:mod:`fuser.install.once_per_forward`), keyed
+on what the next layer's entry kernel will be launched on: its launcher, the hidden states
+(memory, sizes, strides, version counter) and the weights. The next layer's entry launch
+looks there first (:func:`~fuser.install.once_per_forward.take_handed_over`; each result is
+taken once, a fresh buffer as a launch's would be) and runs only on a miss: the first layer, a layer
+called on its own, hidden states changed in between (their version moved), a next layer of
+other weights. A hit is the very launch, on the very tensors, that the next layer would make,
+so where :data:`NEXT` points decides only whether work is saved, never what a layer computes.
+
+:mod:`fuser.model.fuse_model` plans a layer without it, finds the entry kernels
+(:func:`entries_of`), plans it again with them (:func:`add_next_entries` runs right after the
+trace), and keeps the second plan where it saves launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from fuser.install import once_per_forward as memo
+from fuser.trace.leaves import LEAF
+from fuser.trace.tracing import Traced
+
+#: The attribute of a fused layer that holds the layer its output goes to.
+NEXT = "_fuser_next"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A kernel of the first plan that reads only the hidden states and parameters (and writes
+    into no other tensor): the traced
+    nodes it computes (graph order, views of the hidden states included), its inputs in launch
+    order and its outputs, by name."""
+
+    kernel: str
+    hidden: str
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def entries_of(kernels, traced: Traced, cops: dict, shared) -> tuple[list[Entry], str | None]:
+    """The entry kernels among ``kernels`` (a plan's), and why there are none."""
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return [], "the layer has no input"
+    hidden = placeholders[0]
+    out = hidden_output(traced)
+    if out is None or not _like(traced.value(out), traced.value(hidden)):
+        return [], "the layer's output is not a tensor like its first input"
+    order = {n: i for i, n in enumerate(traced.graph.nodes)}
+    found = []
+    for k in kernels:
+        r = k.region
+        if r.stores or k in shared:
+            continue
+        nodes = _between(hidden, r, traced, cops)
+        if nodes is not None:
+            found.append(Entry(k.path.stem if k.path else "", hidden.name, tuple(n.name for n in sorted(nodes, key=order.__getitem__)),
+                               tuple(n.name for n in r.inputs), tuple(n.name for n in r.outputs)))  # fmt: skip
+    return found, None if found else "no kernel reads only the hidden states and parameters (an input norm)"
+
+
+def _between(hidden: fx.Node, region, traced: Traced, cops: dict) -> set[fx.Node] | None:
+    """The nodes the region computes from ``hidden``: its covered nodes, and the views and
+    no-op casts it reads through; None where it reads anything but ``hidden`` and parameters."""
+    from fuser.ir.canonical_op import META, UNIT_VIEW, VIEW
+
+    nodes, seen, reads_hidden = set(region.covered), set(), False
+    todo = [*region.covered, *region.inputs]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is hidden:
+            reads_hidden = True
+            continue
+        if node.op == "get_attr" and isinstance(traced.value(node), nn.Parameter):
+            continue
+        if node not in region.covered:
+            cop = cops.get(node)
+            if node.op == "placeholder" or cop is None or not (cop.kind in (VIEW, UNIT_VIEW, META) or cop.op == "identity"):
+                return None  # another input, or a value computed elsewhere
+            nodes.add(node)
+        todo += node.all_input_nodes
+    return nodes if reads_hidden else None
+
+
+def hidden_output(traced: Traced) -> fx.Node | None:
+    """The node the layer returns as its hidden states: its output, or the first of a tuple."""
+    output = next(n for n in traced.graph.nodes if n.op == "output")
+    value = output.args[0]
+    while isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    return value if isinstance(value, fx.Node) and isinstance(traced.value(value), torch.Tensor) else None
+
+
+def _like(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+
+
+# --- the second plan's trace -----------------------------------------------------------------------
+class HandOver:
+    """The node that leaves an entry's results, computed for the next layer, in the memo. Its
+    arguments: the entry kernel's inputs (as :class:`Entry` orders them), then its outputs.
+    Linked to the plan's own entry kernel once planned (:meth:`link`); unlinked, it does
+    nothing."""
+
+    __fuser_opaque__ = True  # a leaf: kept where it is, never fused
+
+    def __init__(self, entry: Entry):
+        self.entry = entry
+        self.__name__ = self.__qualname__ = f"hand_over_{entry.kernel or 'entry'}"
+        self.__module__ = __name__
+        self.launch = None  # the entry kernel's launcher (the plan's)
+        self.inputs: tuple[int, ...] = ()  # launch argument i is argument inputs[i] here
+        self.outputs: tuple[int, ...] = ()  # launch output i is output outputs[i] here
+        self.handed = 0  # results left in a memo (a test reads it)
+
+    def link(self, kernel) -> bool:
+        """Hand over to ``kernel`` (the plan's entry kernel of the same nodes): False where its
+        inputs or outputs are not the entry's."""
+        r = kernel.region
+        inputs, outputs = [n.name for n in r.inputs], [n.name for n in r.outputs]
+        if sorted(inputs) != sorted(self.entry.inputs) or sorted(outputs) != sorted(self.entry.outputs):
+            return False
+        self.inputs = tuple(self.entry.inputs.index(n) for n in inputs)
+        self.outputs = tuple(self.entry.outputs.index(n) for n in outputs)
+        self.launch = kernel.launch
+        return True
+
+    def __call__(self, *values):
+        if self.launch is None:
+            return None
+        count = len(self.entry.inputs)
+        args = tuple(values[i] for i in self.inputs)
+        results = tuple(values[count + i] for i in self.outputs)
+        if memo.hand_over(self.launch, args, results):
+            self.handed += 1
+        return None
+
+
+def add_next_entries(traced: Traced, entries: list[Entry], module: nn.Module) -> list[HandOver]:
+    """After the layer's output, each entry's nodes again, reading the output for the hidden
+    states and ``module.<NEXT>``'s parameters for the layer's own; each followed by its
+    :class:`HandOver`. Their example values are computed on the example's (the planning layer's
+    :data:`NEXT` must be set). Returns the hand-over nodes' targets, in ``entries``' order."""
+    graph = traced.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    out = hidden_output(traced)
+    by_name = {n.name: n for n in graph.nodes}
+    made = []
+    for entry in entries:
+        env: dict[fx.Node, fx.Node] = {by_name[entry.hidden]: out}
+        with graph.inserting_before(output):
+            for name in entry.inputs:
+                node = by_name[name]
+                if node.op == "get_attr":
+                    env[node] = read = graph.get_attr(f"{NEXT}.{node.target}")
+                    value = _attribute(module, read.target)
+                    traced.shadows[read.name] = (value, value)
+            for name in entry.nodes:
+                node = by_name[name]
+                env[node] = copied = graph.node_copy(node, lambda n: env[n])
+                copied.meta = {k: v for k, v in node.meta.items() if k != LEAF}
+                traced.shadows[copied.name] = tuple(_run(copied, traced, side) for side in (0, 1))
+            hand = HandOver(entry)
+            call = graph.call_function(hand, tuple(env[by_name[n]] for n in entry.inputs + entry.outputs))
+            call.meta[LEAF] = True
+            traced.shadows[call.name] = (None, None)
+        made.append(hand)
+    graph.lint()
+    return made
+
+
+def _attribute(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _run(node: fx.Node, traced: Traced, side: int):
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: traced.shadows[n.name][side])
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    raise AssertionError(f"an entry kernel's node `{node.name}` is a {node.op}")
+
+
+# --- the layer a fused layer hands over to ------------------------------------------------------
+@dataclass
+class NextLayer:
+    """The layer after a fused one in its stack (``stack[index]``), read through at each call:
+    ``getattr(layer, NEXT).input_layernorm.weight``. Not a submodule (``state_dict``, ``.to()``
+    and the module tree do not see it). A deep copy of the model points into the copy's
+    stack; a copy of the layer alone keeps pointing into the original's (its hand-overs then
+    meet no launch: it computes the same, as a layer called on its own does)."""
+
+    stack: nn.Module
+    index: int
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("stack", "index"):
+            raise AttributeError(name)
+        return getattr(self.stack[self.index], name)
+
+    def __deepcopy__(self, copies: dict) -> "NextLayer":
+        return NextLayer(copies.get(id(self.stack), self.stack), self.index)
+
+    def __copy__(self) -> "NextLayer":
+        return NextLayer(self.stack, self.index)
+
