@@ -18,6 +18,7 @@ NAMES = [
     "attention_calls",
     "per_slice_norms",
     "repeated_rows",
+    "next_layer_entry",
     "canonicalize",
     "growing_state",
     "fuse_patterns",
@@ -31,6 +32,7 @@ NAMES = [
     "precompute",
     "copy_kernels",
     "once_per_forward",
+    "glue_across_layers",
     "rewrite_graph",
     "install_copies",
     "static_cache_write",
@@ -95,7 +97,7 @@ def all_on(block):
 def test_the_list_names_every_step_in_order():
     assert [p.name for p in PASS_LIST] == NAMES
     assert [p.name for p in PASS_LIST if p.required] == REQUIRED
-    assert switchable() == [n for n in NAMES if n not in REQUIRED and n != "install_copies"]
+    assert switchable() == [n for n in NAMES if n not in REQUIRED and n not in ("install_copies", "next_layer_entry")]
     assert [p.name for p in PASS_LIST if p.inside == "trace"] == ["in_place_idioms", "attention_calls", "per_slice_norms", "repeated_rows"]
     # trace() by itself runs the rewrites the list gives it, in the list's order
     assert tracing.REWRITES == tuple(p.run for p in PASS_LIST if p.inside == "trace")
@@ -130,7 +132,7 @@ def test_the_environment_variable_switches_passes_off(block, all_on, monkeypatch
     assert len(result.report.chains) > len(all_on.chains)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in REQUIRED and n != "install_copies"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in REQUIRED and n not in ("install_copies", "next_layer_entry")])
 def test_each_pass_switched_off_alone_still_fuses_right(block, name):
     result = fuser.check(block, example(), disable_passes=(name,))
     assert result.ok, f"{name} off: {result.text()}"
