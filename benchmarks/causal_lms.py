@@ -32,6 +32,7 @@ MODELS = {
         vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),  # (rope_theta= alone is not read once made)
     "qwen3_8b": ("qwen3", 4, {}),
+    "qwen3_30b_a3b": ("qwen3_moe", 4, {}),  # 128 experts, 8 a token: the experts' combine, then the next norm
     # 64 of the 256 routed experts, so that the weights of 2 layers fit beside three caches
     "deepseek_v4_flash": ("deepseek_v4", 2, {"n_routed_experts": 64}),
     # LayerNorm models (issue 30's whole-model rows), 4 layers each at real dims

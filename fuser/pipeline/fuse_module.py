@@ -55,7 +55,6 @@ class Plan:
     merged: MergedWeights | None = None  # linear layers run as one GEMM on their weights merged at install
     bypassed: tuple[str, ...] = ()  # submodules the fused graph runs the work of without calling them
     hand_overs: list = field(default_factory=list)  # the next layer's entries it computes (fuser.pipeline.next_layer_entry)
-    taken: list = field(default_factory=list)  # its kernels that take an entry handed over
     shared_kernels: list = field(default_factory=list)  # its kernels run once per model forward
     next_of: dict = field(default_factory=dict)  # id(layer) -> the NextLayer it hands over to (fuser.model.fuse_model)
     layer_graph: fx.Graph | None = None  # with hand-overs: the layer's trace without them, as other layers trace
@@ -123,7 +122,7 @@ def plan(
     p.literals = dict(report.literals)
     p.cops = cops
     p.merged = f.merged
-    p.hand_overs, p.taken, p.shared_kernels = f.hand_overs, f.taken, f.shared
+    p.hand_overs, p.shared_kernels = f.hand_overs, f.shared
     p.bypassed = tuple(name for g in (f.merged.groups if f.merged else ()) for name in g.layers) + tuple(
         linear for _, linear in f.residuals_in_gemm
     ) + tuple(gemm for _, _, gemm, layer in f.activations_in_gemm if layer) + tuple(f.uncalled)

@@ -2,25 +2,26 @@
 layers.
 
 A stack of decoder layers hands its hidden states from each layer to the next: a layer's last
-glue makes them (its residual add, DeepSeek-V4's mHC combine) and the next layer's first kernel
-reads them with its own weights (its input norm, its mix statistics). Each layer fused on its
-own, those are two launches. Here a layer's traced graph gets, after its output, a copy of the
-nodes of the next layer's *entry* kernel — a kernel that reads only the hidden states and
-parameters — reading this layer's output and the next layer's
-parameters (through the attribute :data:`NEXT`, a :class:`NextLayer`). The region builder
-fuses the copy into the kernel that makes the output, and a :class:`HandOver` call after it
-leaves its results in the model forward's memo (:mod:`fuser.install.once_per_forward`), keyed
-on what the next layer's entry kernel will be launched on: its launcher, the hidden states
-(memory, sizes, strides, version counter) and the weights. The next layer's entry launch
-looks there first (:func:`~fuser.install.once_per_forward.take_handed_over`; each result is
-taken once, a fresh buffer as a launch's would be) and runs only on a miss: the first layer, a layer
-called on its own, hidden states changed in between (their version moved), a next layer of
-other weights. A hit is the very launch, on the very tensors, that the next layer would make,
-so where :data:`NEXT` points decides only whether work is saved, never what a layer computes.
+glue makes them (its residual add) and the next layer's first kernel reads them with its own
+weights (its input norm). Each layer fused on its own, those are two launches. Here a layer's
+traced graph gets, after its output, a copy of the nodes of the next layer's *entry* kernel —
+a kernel that reads only the hidden states and parameters and writes into no other tensor —
+reading this layer's output and the next layer's parameters (through the attribute
+:data:`NEXT`, a :class:`NextLayer`). The region builder fuses the copy into the kernel that
+makes the output, and a :class:`HandOver` call after it leaves the copy's results in the model
+forward's memo (:mod:`fuser.install.once_per_forward`), keyed on what the next layer's entry
+kernel will be launched on: its launcher, the hidden states (memory, sizes, strides, version
+counter) and the weights. The next layer's launch of its entry kernel looks there first
+(:func:`~fuser.install.once_per_forward.take_handed_over`; each result is taken once, a fresh
+buffer as a launch's would be) and runs only on a miss: the first layer, a layer called on its
+own, hidden states written in between (their version moved), a next layer of other weights. A
+hit is the very launch, on the very tensors, that the next layer would make, so where
+:data:`NEXT` points decides only whether work is saved, never what a layer computes.
 
 :mod:`fuser.model.fuse_model` plans a layer without it, finds the entry kernels
 (:func:`entries_of`), plans it again with them (:func:`add_next_entries` runs right after the
-trace), and keeps the second plan where it saves launches.
+trace: pass ``next_layer_entry``; ``glue_across_layers`` links each hand-over to the plan's
+own entry kernel), and keeps the second plan where it saves launches.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fuser.install import once_per_forward as memo
+from fuser.ir.canonical_op import META, UNIT_VIEW, VIEW
 from fuser.trace.leaves import LEAF
 from fuser.trace.tracing import Traced
 
@@ -42,9 +44,9 @@ NEXT = "_fuser_next"
 @dataclass(frozen=True)
 class Entry:
     """A kernel of the first plan that reads only the hidden states and parameters (and writes
-    into no other tensor): the traced
-    nodes it computes (graph order, views of the hidden states included), its inputs in launch
-    order and its outputs, by name."""
+    into no other tensor): the traced nodes it computes (graph order; the views and no-op casts
+    of the hidden states it reads through included), its inputs in launch order and its
+    outputs, by name."""
 
     kernel: str
     hidden: str
@@ -78,8 +80,6 @@ def entries_of(kernels, traced: Traced, cops: dict, shared) -> tuple[list[Entry]
 def _between(hidden: fx.Node, region, traced: Traced, cops: dict) -> set[fx.Node] | None:
     """The nodes the region computes from ``hidden``: its covered nodes, and the views and
     no-op casts it reads through; None where it reads anything but ``hidden`` and parameters."""
-    from fuser.ir.canonical_op import META, UNIT_VIEW, VIEW
-
     nodes, seen, reads_hidden = set(region.covered), set(), False
     todo = [*region.covered, *region.inputs]
     while todo:
