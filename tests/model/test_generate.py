@@ -58,6 +58,7 @@ CASES = [
     ("qwen3_moe", "static", 2),
     ("deepseek_v4", "static", 2),
     ("deepseek_v3", "dynamic", 1),  # MLA views the keys by the cache's length, which grows each step
+    ("gpt_neox", "static", 2),  # each layer's two LayerNorms computed by the layer before (glue across layers)
 ]
 
 
@@ -72,6 +73,8 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
     first = generate(model, ids, mask, cache)  # fuses at its first decode step
     assert report.pending is None, report.text()
     assert all(group.report is not None for group in report.groups), report.text()
+    if name == "gpt_neox":
+        assert report.groups[0].handed_to == 1, report.text()
     assert torch.equal(first, eager)
 
     before = layer_calls(model)
