@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fuser.install import once_per_forward as memo
-from fuser.ir.canonical_op import META, UNIT_VIEW, VIEW
+from fuser.ir.canonical_op import META, MUTATION, UNIT_VIEW, VIEW
 from fuser.trace.leaves import LEAF
 from fuser.trace.tracing import Traced
 
@@ -68,13 +68,31 @@ def entries_of(kernels, traced: Traced, cops: dict, shared) -> tuple[list[Entry]
     found = []
     for k in kernels:
         r = k.region
-        if r.stores or k in shared:
+        if r.stores or k in shared or _written_before(hidden, r.position, traced, cops):
             continue
         nodes = _between(hidden, r, traced, cops)
         if nodes is not None:
             found.append(Entry(k.path.stem if k.path else "", hidden.name, tuple(n.name for n in sorted(nodes, key=order.__getitem__)),
                                tuple(n.name for n in r.inputs), tuple(n.name for n in r.outputs)))  # fmt: skip
-    return found, None if found else "no kernel reads only the hidden states and parameters (an input norm)"
+    return found, None if found else ("no kernel reads only the hidden states and parameters (an input norm) "
+                                      "before a leaf or an in-place op may write them")
+
+
+def _written_before(hidden: fx.Node, position: fx.Node | None, traced: Traced, cops: dict) -> bool:
+    """Does a leaf or an in-place op that may write the hidden states (given them, or a view of
+    them) run before ``position``? A leaf's write through a pointer moves no version counter,
+    so results handed over before it could be stale."""
+    views = {hidden}
+    for node in traced.graph.nodes:
+        if node is position:
+            return False
+        cop = cops.get(node)
+        reads = views.intersection(node.all_input_nodes)
+        if reads and cop is not None and cop.kind in (VIEW, UNIT_VIEW):
+            views.add(node)
+        elif reads and (node.meta.get(LEAF) or cop is None or cop.kind == MUTATION):
+            return True
+    return False
 
 
 def _between(hidden: fx.Node, region, traced: Traced, cops: dict) -> set[fx.Node] | None:

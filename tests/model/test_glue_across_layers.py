@@ -246,3 +246,28 @@ def test_on_the_gpu_a_captured_forward_replays_the_hand_overs():
         graph.replay()
         torch.cuda.synchronize()
         assert mismatch(out, eager(model, static.clone()), "replayed output", LAYER) is None
+
+
+@fuser.opaque
+def scale_in_place(x):
+    x.mul_(0.5)  # (a kernel of the model's own could write through a pointer, seen by no version counter)
+    return x
+
+
+def test_an_input_norm_after_a_leaf_given_the_hidden_states_is_no_entry():
+    """A leaf that may write the hidden states runs before the norm: a result handed over
+    before it could be stale, so the norm is computed where it is."""
+
+    class LeafFirst(Layer):
+        def forward(self, x):
+            scale_in_place(x)  # the norm reads x itself, after the leaf was given it
+            return x + self.down(torch.sigmoid(self.up(self.norm(x))))
+
+    model = Stack()
+    model.layers = nn.ModuleList([LeafFirst() for _ in range(LAYERS)])
+    x = x_of(0)
+    expected = model(x.clone())
+    report = fuser.apply(model, (x.clone(),))
+    (group,) = report.groups
+    assert group.report.across_layers == [] and "before a leaf or an in-place op" in group.report.across_layers_apart
+    assert mismatch(model(x.clone()), expected, "output", LAYER) is None
