@@ -39,6 +39,7 @@ MODELS = {
     "gptj_6b": ("gptj", 4, {}),  # parallel residual, gelu_new, rotary over 64 of 256 dims, eager attention
     "starcoder2_7b": ("starcoder2", 4, {}),  # biases everywhere, gelu_tanh MLP
     "gpt_neox_20b": ("gpt_neox", 4, {}),  # head dim 96, a quarter of it rotary, exact GELU
+    "phi_2": ("phi", 4, {}),  # one LayerNorm for the parallel attention and MLP, partial rotary, gelu_new
     # GPT-2 XL: Conv1D projections (addmm of [in, out] weights), learned positions, tanh GELU
     "gpt2_xl": ("gpt2", 4, dict(n_embd=1600, n_head=25, n_inner=6400, n_positions=1024, vocab_size=50257)),
 }

@@ -16,7 +16,11 @@ counter) and the weights. The next layer's launch of its entry kernel looks ther
 buffer as a launch's would be) and runs only on a miss: the first layer, a layer called on its
 own, hidden states written in between (their version moved), a next layer of other weights. A
 hit is the very launch, on the very tensors, that the next layer would make, so where
-:data:`NEXT` points decides only whether work is saved, never what a layer computes.
+:data:`NEXT` points decides only whether work is saved, never what a layer computes. Version
+counters see every write PyTorch makes; a kernel of the model's own writing through a pointer
+moves none, so no entry is taken where a leaf or an in-place op given the hidden states runs
+before it in the next layer (:func:`entries_of`); the model's code between two layers (a plain
+loop in transformers' models) is not looked at.
 
 :mod:`fuser.model.fuse_model` plans a layer without it, finds the entry kernels
 (:func:`entries_of`), plans it again with them (:func:`add_next_entries` runs right after the
