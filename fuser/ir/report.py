@@ -59,6 +59,8 @@ class Report:
     activations_in_gemm: list[str] = field(default_factory=list)  # activations the GEMM applies ("mul_3 (gelu_new) of mlp.fc1")
     activations_apart: dict[str, str] = field(default_factory=dict)  # activations of a GEMM's output left apart -> why
     residuals_in_gemm: list[str] = field(default_factory=list)  # adds done by the GEMM before them ("add_5 + mlp.down_proj")
+    upcasts_in_gemm: list[str] = field(default_factory=list)  # matmuls of fp32 casts run as half GEMMs with an fp32 output
+    upcasts_apart: dict[str, str] = field(default_factory=dict)  # matmuls of fp32 casts left as they are -> why
     decode_gemms: list[str] = field(default_factory=list)  # GEMMs on fuser's decode GEMM kernel (fuser.install.decode_gemm)
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
@@ -136,6 +138,12 @@ class Report:
         if self.residuals_in_gemm:
             lines += ["", "residuals added by the GEMM before them (addmm_ into the residual's buffer, beta = 1; no launch for the add): "
                           + ", ".join(self.residuals_in_gemm)]
+        if self.upcasts_in_gemm:
+            lines += ["", "matmuls of half tensors cast to fp32 run as the half GEMM with an fp32 output (no cast): "
+                          + ", ".join(self.upcasts_in_gemm)]
+        if self.upcasts_apart:
+            lines += ["", "matmuls of fp32 casts left as they are:"]
+            lines += [f"  {what}: {why}" for what, why in self.upcasts_apart.items()]
         if self.decode_gemms:
             lines += ["", "GEMMs on fuser's decode GEMM kernel (this GPU's decode-GEMM table; PyTorch's at more tokens):"]
             lines += [f"  {line}" for line in self.decode_gemms]

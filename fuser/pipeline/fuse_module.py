@@ -115,6 +115,8 @@ def plan(
     report.residuals_in_gemm = [f"{add} + {linear}" for add, linear in f.residuals_in_gemm]
     report.activations_in_gemm = [f"{out} ({kind}) of {gemm}" for out, kind, gemm, _ in f.activations_in_gemm]
     report.activations_apart = dict(f.activations_apart)
+    report.upcasts_in_gemm, report.upcasts_apart = list(f.upcasts_in_gemm), dict(f.upcasts_apart)
+    report.launches_after += f.casts_back  # a launch each, new in the fused graph
     report.decode_gemms = [f"{what}: {how}" for what, how in f.decode_gemms]
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}

@@ -40,6 +40,7 @@ from fuser.pipeline.residual_in_gemm import residuals_in_gemm
 from fuser.pipeline.activation_in_gemm import activations_in_gemm
 from fuser.pipeline.decode_gemms import decode_gemms
 from fuser.pipeline.next_layer_entry import add_next_entries
+from fuser.pipeline.upcast_in_gemm import upcasts_in_gemm
 from fuser.pipeline.passes import Planning, planning
 from fuser.trace import tracing
 from fuser.trace.tracing import Traced, trace
@@ -80,6 +81,9 @@ class Fusing:
     activations_in_gemm: list[tuple[str, str, str, bool]] = field(default_factory=list)  # activation_in_gemm: (output, activation, GEMM, a layer bypassed)
     activations_apart: dict[str, str] = field(default_factory=dict)  # activation_in_gemm: activation -> why not
     residuals_in_gemm: list[tuple[str, str]] = field(default_factory=list)  # residual_in_gemm: (add, its linear) rewritten
+    upcasts_in_gemm: list[str] = field(default_factory=list)  # upcast_in_gemm: matmuls of fp32 casts rewritten
+    upcasts_apart: dict[str, str] = field(default_factory=dict)  # upcast_in_gemm: matmul -> why its casts stay
+    casts_back: int = 0  # upcast_in_gemm: kernel outputs cast back to half (a launch each)
     decode_gemms: list[tuple[str, str]] = field(default_factory=list)  # decode_gemm: (GEMM, its shape and token counts) rewritten
     uncalled: list[str] = field(default_factory=list)  # decode_gemm: linear layers no longer called as modules
     forward: Callable | None = None  # compile_forward
@@ -225,6 +229,12 @@ def activations_by_gemm(f: Fusing) -> None:
         f.survivors = {n for n in f.survivors if n.name in names}
 
 
+def upcasts_by_gemm(f: Fusing) -> None:
+    f.upcasts_in_gemm, f.upcasts_apart, f.casts_back = upcasts_in_gemm(f.graph, f.traced)
+    names = {n.name for n in f.graph.nodes}
+    f.survivors = {n for n in f.survivors if n.name in names}  # the casts run no more
+
+
 def residual_adds_in_gemm(f: Fusing) -> None:
     f.residuals_in_gemm = residuals_in_gemm(f.graph, f.module, f.traced, [k.region for k in f.shared])
     added = {add for add, _ in f.residuals_in_gemm}
@@ -266,6 +276,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("static_cache_write", static_cache_write, "a plain StaticCache layer written by one kernel"),
     Pass("merge_projections", merged_projection_groups, "linear layers that read one input as one GEMM on their weights concatenated at apply time"),
     Pass("activation_in_gemm", activations_by_gemm, "a ReLU or tanh GELU of a linear layer's output alone applied by the GEMM's epilogue with the bias (cuBLASLt, torch._addmm_activation): no launch for the activation"),
+    Pass("upcast_in_gemm", upcasts_by_gemm, "a matmul of two half tensors each cast to fp32 for it run as the half GEMM with an fp32 output (cuBLAS, bmm out_dtype): no cast, no fp32 copy"),
     Pass("residual_in_gemm", residual_adds_in_gemm, "a residual added to a linear layer's output, in a buffer nothing else reads, added by the GEMM itself (addmm_, beta = 1): no launch for the add"),
     Pass("decode_gemm", decode_gemm_kernels, "linear layers whose weight shape this GPU's decode-GEMM table holds run on fuser's GEMM kernel at decode sizes (none without a table)"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),

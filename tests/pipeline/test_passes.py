@@ -38,6 +38,7 @@ NAMES = [
     "static_cache_write",
     "merge_projections",
     "activation_in_gemm",
+    "upcast_in_gemm",
     "residual_in_gemm",
     "decode_gemm",
     "compile_forward",
