@@ -125,12 +125,13 @@ def test_gpt_j_s_bf16_decode_casts_no_key_cache():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_on_the_gpu_the_scores_are_one_gemm_with_no_cast(dtype):
-    """A 352-key cache of 16 heads of 256 at 32 sequences (GPT-J at batch 32): one GEMM, no
-    cast kernel, and the fp32 matmul's result to fp32 accuracy (the products are exact)."""
+    """A 352-key cache of 16 heads of 256 at 32 sequences (GPT-J at batch 32): one GEMM (cuBLAS
+    may clear its workspace with a memset first), no cast kernel, and the fp32 matmul's result
+    to fp32 accuracy (the products are exact)."""
     q = torch.randn(32, 16, 1, 256, device="cuda").to(dtype)
     k = torch.randn(32, 16, 352, 256, device="cuda").to(dtype)
-    kernels = launched_kernels(lambda: matmul_upcast(q, k.transpose(-1, -2)))
-    assert len(kernels) == 1 and not any("copy" in n or "cast" in n for n in kernels), kernels
+    kernels = [n for n in launched_kernels(lambda: matmul_upcast(q, k.transpose(-1, -2))) if not n.startswith("Memset")]
+    assert len(kernels) == 1 and not any(w in n.lower() for n in kernels for w in ("copy", "cast", "elementwise")), kernels
     got = matmul_upcast(q, k.transpose(-1, -2))
     expected = torch.matmul(q.double(), k.double().transpose(-1, -2))
     torch.testing.assert_close(got.double(), expected, atol=1e-3, rtol=1e-5)
