@@ -230,9 +230,10 @@ def activations_by_gemm(f: Fusing) -> None:
 
 
 def upcasts_by_gemm(f: Fusing) -> None:
+    before = {n.name for n in f.graph.nodes}
     f.upcasts_in_gemm, f.upcasts_apart, f.casts_back = upcasts_in_gemm(f.graph, f.traced)
-    names = {n.name for n in f.graph.nodes}
-    f.survivors = {n for n in f.survivors if n.name in names}  # the casts run no more
+    gone = before - {n.name for n in f.graph.nodes}
+    f.survivors = {n for n in f.survivors if n.name not in gone}  # the casts run no more
 
 
 def residual_adds_in_gemm(f: Fusing) -> None:

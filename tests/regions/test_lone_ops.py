@@ -166,13 +166,14 @@ class CacheCast(nn.Module):
 def test_a_lone_op_is_judged_at_the_width_of_one_token_s_row_not_its_last_axis(tmp_path, monkeypatch):
     """The table's kernels run one program a token over a row of its width; a cast of a key
     cache is heads × cached × head_dim a token, far beyond the 16-wide entry that its last axis
-    would read (on an H100 that entry's kernel took 3.3x PyTorch's time on GPT-J's cache)."""
+    would read (on an H100 that entry's kernel took 3.3x PyTorch's time on GPT-J's cache). With
+    ``upcast_in_gemm`` off: on, it drops both casts (tests/pipeline/test_upcast_in_gemm.py)."""
     table = write_table(tmp_path / "lone.json", [entry("cast_to_float32", "bfloat16", 16, 6.0, 1.0),
                                                  entry("cast_to_float32", "bfloat16", 48, 6.0, 1.0)])  # fmt: skip
     monkeypatch.setenv(TABLE_ENV, str(table))
     q = randn(gen(2), 3, 4, 1, 16, dtype=torch.bfloat16)
     keys = randn(gen(3), 3, 4, 24, 16, dtype=torch.bfloat16)
-    report = fuser.explain(CacheCast(), (q, keys))
+    report = fuser.explain(CacheCast(), (q, keys), disable_passes=("upcast_in_gemm",))
     notes = {u.node: u.reason for u in report.unfused} | {n: c.note for c in report.chains for n in c.nodes}
     assert notes["float_2"].startswith("alone: left to PyTorch by default (cast_to_float32, width 1536, bfloat16"), report.text()
     assert notes["float_1"].startswith("alone: fused, the table says 1.0 µs vs PyTorch's 6.0 µs (cast_to_float32, width 64"), report.text()
