@@ -56,15 +56,13 @@ def _run(launch: Callable, args: tuple):
 _HANDED = "handed over"
 
 
-def hand_over(launch: Callable, args: tuple, results: tuple) -> bool:
+def hand_over(launch: Callable, args: tuple, results: tuple) -> None:
     """Leave ``results`` as what ``launch(*args)`` gives within this forward, once: computed by
-    another kernel (:mod:`fuser.pipeline.next_layer_entry`). False outside a shared forward."""
+    another kernel (:mod:`fuser.pipeline.next_layer_entry`). Outside a shared forward, nothing."""
     memo = _MEMO.get()
     key = _key(launch, args) if memo is not None else None
-    if key is None:
-        return False
-    memo[(_HANDED, key)] = (args, results)  # the args held: their memory stays theirs
-    return True
+    if key is not None:
+        memo[(_HANDED, key)] = (args, results)  # the args held: their memory stays theirs
 
 
 def take_handed_over(launch: Callable) -> Callable:

@@ -37,8 +37,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fuser.install import once_per_forward as memo
+from fuser.install.fixed_at_apply import read_attributes
 from fuser.ir.canonical_op import META, MUTATION, UNIT_VIEW, VIEW
 from fuser.trace.leaves import LEAF
+from fuser.trace.tracer import run_node
 from fuser.trace.tracing import Traced
 
 #: The attribute of a fused layer that holds the layer its output goes to.
@@ -152,7 +154,6 @@ class HandOver:
         self.launch = None  # the entry kernel's launcher (the plan's)
         self.inputs: tuple[int, ...] = ()  # launch argument i is argument inputs[i] here
         self.outputs: tuple[int, ...] = ()  # launch output i is output outputs[i] here
-        self.handed = 0  # results left in a memo (a test reads it)
 
     def link(self, kernel) -> bool:
         """Hand over to ``kernel`` (the plan's entry kernel of the same nodes): False where its
@@ -172,8 +173,7 @@ class HandOver:
         count = len(self.entry.inputs)
         args = tuple(values[i] for i in self.inputs)
         results = tuple(values[count + i] for i in self.outputs)
-        if memo.hand_over(self.launch, args, results):
-            self.handed += 1
+        memo.hand_over(self.launch, args, results)
         return None
 
 
@@ -194,13 +194,13 @@ def add_next_entries(traced: Traced, entries: list[Entry], module: nn.Module) ->
                 node = by_name[name]
                 if node.op == "get_attr":
                     env[node] = read = graph.get_attr(f"{NEXT}.{node.target}")
-                    value = _attribute(module, read.target)
+                    (value,) = read_attributes(module, (read.target,))
                     traced.shadows[read.name] = (value, value)
             for name in entry.nodes:
                 node = by_name[name]
                 env[node] = copied = graph.node_copy(node, lambda n: env[n])
                 copied.meta = {k: v for k, v in node.meta.items() if k != LEAF}
-                traced.shadows[copied.name] = tuple(_run(copied, traced, side) for side in (0, 1))
+                traced.shadows[copied.name] = tuple(_run(copied, traced, side, module) for side in (0, 1))
             hand = HandOver(entry)
             call = graph.call_function(hand, tuple(env[by_name[n]] for n in entry.inputs + entry.outputs))
             call.meta[LEAF] = True
@@ -210,19 +210,10 @@ def add_next_entries(traced: Traced, entries: list[Entry], module: nn.Module) ->
     return made
 
 
-def _attribute(obj, path: str):
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _run(node: fx.Node, traced: Traced, side: int):
+def _run(node: fx.Node, traced: Traced, side: int, module: nn.Module):
+    """``node`` run eagerly on its inputs' example values at batch size ``side`` (0: T, 1: T+1)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: traced.shadows[n.name][side])
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    raise AssertionError(f"an entry kernel's node `{node.name}` is a {node.op}")
+    return run_node(node.op, node.target, args, kwargs, module)
 
 
 # --- the layer a fused layer hands over to ------------------------------------------------------

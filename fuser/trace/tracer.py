@@ -37,7 +37,7 @@ from fuser.trace.refusal import calling_line, error_location, refuse
 from fuser.trace.token_dims import grow
 
 
-def _run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
+def run_node(kind: str, target, args, kwargs, root: torch.nn.Module):
     if kind == "call_function":
         return target(*args, **kwargs)
     if kind == "call_method":
@@ -351,7 +351,7 @@ class ShadowTracer(fx.Tracer):
         kwargs = map_aggregate(kwargs, pick)
         self._eager_depth += 1
         try:
-            return _run_node(kind, target, args, kwargs, self.root)
+            return run_node(kind, target, args, kwargs, self.root)
         finally:
             self._eager_depth -= 1
 
