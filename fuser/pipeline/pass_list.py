@@ -217,23 +217,30 @@ def merged_projection_groups(f: Fusing) -> None:
     f.merged, f.merges, f.merges_refused = merge_projections(f.graph, f.module, f.traced, f.cops, f.covered())
 
 
+def _drop_erased_survivors(f: Fusing, before: set[str]) -> None:
+    """A rewrite of the fused graph erased some traced nodes (``before``: the graph's node names
+    before it): they run no more. Only those go; other survivors the graph holds under another
+    name (a reshape install_copies made a copy kernel's call) stay."""
+    gone = before - {n.name for n in f.graph.nodes}
+    f.survivors = {n for n in f.survivors if n.name not in gone}
+
+
 def activations_by_gemm(f: Fusing) -> None:
     shared = [k.region for k in f.shared]
     merged = {name: g.layers for g in (f.merged.groups if f.merged else ()) for name in g.layers}
+    before = {n.name for n in f.graph.nodes}
     f.activations_in_gemm, f.activations_apart = activations_in_gemm(f.graph, f.module, f.traced, f.cops, f.survivors,
                                                                      shared, merged)  # fmt: skip
     if f.activations_in_gemm:  # the kernels and ops that computed them run no more
         live = {id(n.meta[REGION_META]) for n in f.graph.nodes if REGION_META in n.meta}
         f.planning.kernels = [k for k in f.kernels if id(k.region) in live]
-        names = {n.name for n in f.graph.nodes}
-        f.survivors = {n for n in f.survivors if n.name in names}
+        _drop_erased_survivors(f, before)
 
 
 def upcasts_by_gemm(f: Fusing) -> None:
     before = {n.name for n in f.graph.nodes}
     f.upcasts_in_gemm, f.upcasts_apart, f.casts_back = upcasts_in_gemm(f.graph, f.traced)
-    gone = before - {n.name for n in f.graph.nodes}
-    f.survivors = {n for n in f.survivors if n.name not in gone}  # the casts run no more
+    _drop_erased_survivors(f, before)  # the casts run no more
 
 
 def residual_adds_in_gemm(f: Fusing) -> None:

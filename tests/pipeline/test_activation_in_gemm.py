@@ -310,3 +310,20 @@ def test_on_the_gpu_an_fp32_layer_keeps_its_activation_with_the_reason():
     assert result.report.activations_in_gemm == []
     (reason,) = result.report.activations_apart.values()
     assert "fp32 on CUDA" in reason, reason
+
+
+def test_a_copy_kernel_beside_the_activation_still_counts_its_launch():
+    """The pass drops from the report only the ops it erased: a reshape made a copy kernel (its
+    node renamed in the fused graph) is still a launch."""
+
+    class WithCopy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(D, H), nn.Linear(H, D)
+
+        def forward(self, x, z):
+            return self.out(F.relu(self.fc(x))), z.transpose(1, 2).reshape(z.shape[0], -1)
+
+    report = fuser.explain(WithCopy(), (torch.randn(5, D), torch.randn(5, 3, 4)))
+    assert report.activations_in_gemm and [c.pattern for c in report.chains] == ["copy"], report.text()
+    assert report.launches_after == 1  # the copy kernel's
