@@ -164,9 +164,10 @@ class Lowerer:
         return [self.block_axis(cop.args[0], d) for d in cop.attr("dim")]
 
     def block_axis(self, node: fx.Node, dim: int) -> int:
-        """Block axis of ``node``'s (full-rank) dim ``dim``: past its token dim, one less."""
-        batch = self.traced.batch_dims(node)
-        return dim - (1 if batch and dim > batch[0] else 0)
+        """Block axis of ``node``'s (full-rank) dim ``dim``: past its row dim (its token dim, or
+        the unit dim it is broadcast over the rows along: :meth:`row_dim`), one less."""
+        rows = self.row_dim(node)
+        return dim - (1 if rows is not None and dim > rows else 0)
 
     def is_tiled(self, node: fx.Node, axis: int) -> bool:
         return self.tiled and self.tile_axis.get(node) == axis

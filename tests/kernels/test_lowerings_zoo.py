@@ -3,7 +3,9 @@
 - GPT-J's sin/cos rows: a table that does not follow the tokens repeated per sequence
   (``table.repeat(T, 1, 1)``, T read off the position ids), gathered along its rows at positions
   repeated per column (``position_ids.unsqueeze(-1).repeat(1, 1, width)``, int64): each token's
-  row of the table, read straight from it (``gather_table``);
+  row of the table, read straight from it (``gather_table``); and the same with one position
+  for every sequence (``position_ids`` of shape [1, 1], as transformers makes it in a decode
+  step without padding): one row, read by every token's program;
 - a repeat that only spreads unit axes (and axes it adds in front): a broadcast, exact at any
   dtype.
 
@@ -52,6 +54,34 @@ def test_table_repeated_over_the_tokens_gathered_by_position(width, dtype):
     assert "embed_positions_stride_0" in source, source  # the table's rows read where they are
 
 
+def shared_position(T: int) -> torch.Tensor:
+    """One position for every sequence, as a decode step's ``cache_position[None]``: [1, 1],
+    another value at each T (read at run time, not fused in)."""
+    return torch.tensor([[(T * 7 + 3) % 64]])
+
+
+class HiddenFirst(nn.Module):
+    """``inner(position_ids, x)`` called as ``(x, position_ids)``: the hidden states first, so
+    that they give the token count (the position ids follow none)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, position_ids):
+        return self.inner(position_ids, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_table_row_at_one_position_shared_by_every_token(width, dtype):
+    make = lambda T: (randn(gen(T), T, 1, width, dtype=dtype), shared_position(T))  # noqa: E731
+    report = fused_matches(HiddenFirst(SpreadTableGather(width, dtype)), make, ["repeat", "gather"])
+    (chain,) = report.chains
+    assert {"repeat", "repeat_1", "gather"} <= set(chain.nodes), report.text()
+    assert "embed_positions_stride_0" in open(chain.path).read()
+
+
 class SplitSinCos(nn.Module):
     """The gathered rows split into sin and cos, each spread over the heads and applied to q
     (rotate_half for GPT-J's rotate_every_two): the table never built per token."""
@@ -76,6 +106,14 @@ class SplitSinCos(nn.Module):
 def test_rotary_rows_of_a_repeated_table_split_and_spread_over_heads(dim, dtype):
     make = lambda T: ((torch.arange(T)[:, None] * 5 + 1) % 64, randn(gen(T), T, 1, 3, dim, dtype=dtype))  # noqa: E731
     report = fused_matches(SplitSinCos(dim, dtype), make, ["repeat", "gather", "repeat_interleave", "mul"])
+    assert len(report.chains) == 1, report.text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [4, 18])
+def test_rotary_rows_at_one_shared_position(dim, dtype):
+    make = lambda T: (randn(gen(T), T, 1, 3, dim, dtype=dtype), shared_position(T))  # noqa: E731
+    report = fused_matches(HiddenFirst(SplitSinCos(dim, dtype)), make, ["repeat", "gather", "repeat_interleave", "mul"])
     assert len(report.chains) == 1, report.text()
 
 

@@ -126,6 +126,24 @@ def test_the_q_and_k_paths_of_a_decode_step_run_as_one_kernel():
     assert len(both) == 1, group.report.text()
 
 
+def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_read_by_its_rotary_kernel():
+    """GPT-J gathers its sin/cos row from a table repeated per sequence at the position ids; in
+    a decode step those are one position for the whole batch ([1, 1]). The gather is a load of
+    the table's row inside the rotary kernel, nothing of it left eager, and as the position
+    moves on at every step the kernel reads it at run time: greedy decode gives eager's logits."""
+    model = causal_lm("gptj", layers=2)
+    cache, tokens = prefilled(model)
+    eager = greedy(copy.deepcopy(model), copy.deepcopy(cache), tokens)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    assert not group.report.unfused, group.report.text()
+    (rotary,) = [c for c in group.report.chains if "gather" in c.nodes]
+    assert "embed_positions_stride_0" in open(rotary.path).read()
+    for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+
+
 def test_a_model_of_one_layer_is_fused_layer_by_layer_and_decodes_as_eager():
     """One decoder layer in its list (a draft model's) is a stack too: the layer, the glue around
     it (the model's own forward, the final norm, the rotary embedding) each fused."""
