@@ -70,6 +70,7 @@ class Lowerer:
         self.helpers: set[str] = set()
         self.taken: set[str] = set()  # locals (and their companions) in use
         self.masks: dict[str, str] = {}  # mask expression -> the local it is built in, once
+        self._over_rows_dims: dict[fx.Node, int | None] = {}  # row_dim of values of no token rows
         # Tables read only through a row gather are never loaded whole, nor at this program's row.
         self.spread_tables = spread_tables(self)
         self.gathered = {n for n in self.inputs if gathered_only(self, n)}
@@ -146,19 +147,35 @@ class Lowerer:
         batch = self.traced.batch_dims(node)
         if batch:
             return batch[0]
-        return self._over_rows(node, self.traced.value(node))
+        if node not in self._over_rows_dims:
+            self._over_rows_dims[node] = self._over_rows(node, self.traced.value(node))
+        return self._over_rows_dims[node]
 
     def _over_rows(self, node: fx.Node, value) -> int | None:
         """The dim along which ``node``'s value (no token rows) is broadcast over the rows: a 1
-        where the row values of its rank it is combined with have their tokens (a leading 1 at
-        the region's rank); None when it is read whole."""
+        where the row values of its rank it is combined with have their tokens, or where a value
+        of no rows computed from it in place (elementwise, or repeated along other dims) is
+        broadcast so (cos sliced, then interleaved, then multiplied into q: one row dim for the
+        three); a leading 1 at the region's rank; None when it is read whole."""
         if not isinstance(value, torch.Tensor) or not value.dim():
             return None
         for u in node.users:
-            batch = self.traced.batch_dims(u) if u in self.nodes else ()
-            if batch and self.traced.value(u).dim() == value.dim() and value.shape[batch[0]] == 1:
+            if u not in self.nodes or not isinstance(self.traced.value(u), torch.Tensor) or self.traced.value(u).dim() != value.dim():
+                continue
+            batch = self.traced.batch_dims(u)
+            if batch and value.shape[batch[0]] == 1:
                 return batch[0]
+            if not batch and self._keeps_dims(u):
+                rows = self.row_dim(u)
+                if rows is not None and value.shape[rows] == 1:
+                    return rows
         return 0 if value.shape[0] == 1 and value.dim() == self.row_rank else None
+
+    def _keeps_dims(self, node: fx.Node) -> bool:
+        """Is each dim of ``node``'s value its operands' dim in the same place (an elementwise
+        op, or a repeat_interleave along one dim)?"""
+        op = self.cops[node].op
+        return ops.kind(op) == ops.POINTWISE or op == "repeat_interleave"
 
     def block_axes(self, cop: COp) -> list[int]:
         return [self.block_axis(cop.args[0], d) for d in cop.attr("dim")]

@@ -125,6 +125,34 @@ def test_repeat_of_unit_axes_is_a_broadcast(repeats, width, dtype):
                   pair(dtype, width), ["repeat"])  # fmt: skip
 
 
+class InterleavedRotary(nn.Module):
+    """transformers' Ernie 4.5 RoPE as shipped (``apply_rotary_pos_emb``): the first half of
+    cos and sin interleaved (``repeat_interleave(2, dim=-1)``), q and k rotated by pairs
+    (``stack((-x2, x1), -1).flatten(-2)``), in fp32, cast back."""
+
+    def forward(self, q, k, cos, sin):
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [8, 18, 64])
+@pytest.mark.parametrize("positions", ["shared", "per-token"])
+def test_interleaved_rotary_of_cos_and_sin_with_no_token_rows(positions, dim, dtype):
+    """A decode step's cos and sin are one row for the whole batch ([1, 1, dim]: values of no
+    token rows, sliced, interleaved and multiplied into q and k); per token, [T, 1, dim]. One
+    kernel for q and k either way."""
+
+    def make(T):
+        rows = 1 if positions == "shared" else T
+        cos, sin = (randn(gen(50 + T + i), rows, 1, dim, dtype=torch.float32) for i in range(2))
+        return randn(gen(T), T, 4, 1, dim, dtype=dtype), randn(gen(T + 9), T, 2, 1, dim, dtype=dtype), cos, sin
+
+    report = fused_matches(InterleavedRotary(), make, ["repeat_interleave", "stack", "neg", "mul"])
+    assert len(report.chains) == 1, report.text()
+
+
 class PerHeadLayerNorm(nn.Module):
     """StableLM's StableLmLayerNormPerHead: one LayerNorm per head (its own weights), each of
     its head's slice, concatenated back along the heads (``cat_units``), then elementwise."""

@@ -41,7 +41,7 @@ def greedy(model, cache, tokens) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4", "ernie4_5_moe"])
 def test_greedy_decode_with_a_static_cache_matches_eager(name, monkeypatch):
     model = causal_lm(name, layers=2)
     cache, tokens = prefilled(model)
