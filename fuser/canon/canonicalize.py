@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from fuser.ir import ops
 from fuser.canon.ops import constant
 from fuser.canon.registry import ANY_DTYPE, SEVERAL, TENSOR
-from fuser.canon.views import aliases, cast_or_copy, index_arithmetic, view
+from fuser.canon.views import aliases, cast_or_copy, index_arithmetic, literal_size, view
 from fuser.ir.canonical_op import (  # noqa: F401 (the kinds and COp are read from here across fuser)
     COMPUTE, CONSTANTS, FOLDED_LAUNCHES, GLUE_KINDS, HEAVY, INPUT, KERNEL_DTYPES, META, MUTATION, UNIT_VIEW,
     UNSUPPORTED, VIEW, COp, op_name, tensor_args, through_identities,
@@ -236,6 +236,7 @@ class Canonicalizer:
         tensors = [a for a in node.args if isinstance(a, fx.Node)]
         if name in BINARY:
             a, b = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("other", node.kwargs.get("exponent"))
+            a, b = literal_size(self, a), literal_size(self, b)  # (a size no call changes: its int)
             alpha = node.kwargs.get("alpha", 1)
             if alpha != 1:
                 return self.make(node, name + "_alpha", UNSUPPORTED, tuple(tensors))

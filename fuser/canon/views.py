@@ -72,17 +72,41 @@ def _constant_list(entry) -> bool:
 
 def index_arithmetic(cz, node, name: str, value) -> bool:
     """Integer pointwise math a kernel computes exactly (``perm // top_k``): an op with an
-    integer expression, on tensors of the result's integer dtype and integer literals."""
+    integer expression, on tensors of the result's integer dtype and integer literals (or sizes
+    no call can change: :func:`fixed_size`)."""
     if value.dtype not in (torch.int64, torch.int32) or not ops.integer_expression(name) or node.kwargs:
         return False
-    for arg in node.args:
+    args = [literal_size(cz, a) for a in node.args]
+    for arg in args:
         if isinstance(arg, fx.Node):
             operand = cz.value(arg)
             if not (isinstance(operand, torch.Tensor) and operand.dtype == value.dtype):
                 return False
         elif not isinstance(arg, int) or isinstance(arg, bool):
             return False
-    return name != "floordiv" or (len(node.args) == 2 and ops.integer_divisor(node.args[1]))
+    return name != "floordiv" or (len(args) == 2 and ops.integer_divisor(args[1]))
+
+
+def literal_size(cz, arg):
+    """``arg``, or the int it always is where it is a size no call can change."""
+    size = fixed_size(cz, arg) if isinstance(arg, fx.Node) else None
+    return arg if size is None else size
+
+
+def fixed_size(cz, node: fx.Node) -> int | None:
+    """The value of ``node`` where it is ``t.size(d)`` of a size no call can change: d the
+    selected axis of a ``topk`` result (its k, a literal of the graph: transformers' MoE
+    experts read their top-k as ``top_k_index.size(-1)``). None otherwise."""
+    if node.op != "call_method" or node.target != "size" or len(node.args) != 2 or node.kwargs:
+        return None
+    t, d = node.args
+    pick = cz.cops.get(t) if isinstance(t, fx.Node) else None
+    if pick is None or pick.op not in ("topk_indices", "topk_values") or not isinstance(d, int):
+        return None
+    producer, value = cz.cops.get(pick.args[0]), cz.value(t)
+    if producer is None or producer.op != "topk" or d % value.dim() != value.dim() - 1:
+        return None
+    return producer.attr("k")
 
 
 #: Tables a row gather reads: the kernels' dtypes and integer ones (sglang's hash router's

@@ -144,6 +144,20 @@ def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_read_by_its_rotary_kernel
         assert problem is None, problem
 
 
+def test_a_moe_s_experts_dispatch_leaves_no_glue_eager():
+    """transformers' MoE experts (``integrations/moe.py``) gather each pick's hidden row at
+    ``perm // top_k_index.size(-1)``, a size read after the cache's update (so a value of the
+    call in the trace) that is the router's literal k: the division and the gather run in the
+    sort's kernel, nothing of the layer's glue is left to PyTorch."""
+    model = causal_lm("qwen3_moe", layers=2).to(torch.bfloat16)
+    cache, tokens = prefilled(model)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    assert not group.report.unfused, group.report.text()
+    (sort,) = [c for c in group.report.chains if c.pattern == "expert_sort_rows"]
+    assert any(n.startswith("floordiv") for n in sort.nodes), sort.nodes
+
+
 def test_a_model_of_one_layer_is_fused_layer_by_layer_and_decodes_as_eager():
     """One decoder layer in its list (a draft model's) is a stack too: the layer, the glue around
     it (the model's own forward, the final norm, the rotary embedding) each fused."""
