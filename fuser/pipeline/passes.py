@@ -146,16 +146,24 @@ def kernel_spec(region: Region, traced: Traced, cops) -> KernelSpec:
 
 
 def widen(p: Planning) -> Planning:
-    """Pull single unfused ops into the kernel next to them (re-lowered; kept only if it lowers)."""
+    """Pull single unfused ops into the kernel next to them (re-lowered; kept only if it lowers).
+    Again while one grows: an op whose operand another kernel has just taken in (Olmo2's
+    residual add after its post-feedforward norm, reading the sum the kernel before now
+    writes) may join then."""
     kernels, builder, traced, cops = p.kernels, p.builder, p.traced, p.cops
     covered = set().union(*(k.region.covered for k in kernels)) if kernels else set()
     leftovers = [n for n in traced.graph.nodes if n in cops and fusible(cops[n]) and n not in covered and n not in p.held]
-    for i, kernel in enumerate(kernels):
-        region = widened(builder, kernel.region, [n for n in leftovers if n not in covered])
-        wider = lowered(region, traced, cops) if region else None
-        if wider is not None:
-            kernels[i] = wider
-            covered |= region.covered
+    grew = True
+    while grew:
+        grew = False
+        for i, kernel in enumerate(kernels):
+            left = [n for n in leftovers if n not in covered]
+            region = widened(builder, kernel.region, left) if left else None
+            wider = lowered(region, traced, cops) if region else None
+            if wider is not None:
+                kernels[i] = wider
+                covered |= region.covered
+                grew = True
     return p
 
 

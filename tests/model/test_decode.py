@@ -158,6 +158,24 @@ def test_a_moe_s_experts_dispatch_leaves_no_glue_eager():
     assert any(n.startswith("floordiv") for n in sort.nodes), sort.nodes
 
 
+def test_olmo2_s_residual_add_after_its_post_feedforward_norm_joins_that_norm():
+    """Olmo2 adds each sublayer's output normed to the residual: the first sum joins the
+    post-attention norm's kernel, and the second add, reading that sum, joins the
+    post-feedforward norm's once the first has taken it (the kernels widened again while one
+    grows). Nothing of the layer's glue is left to PyTorch; greedy decode gives eager's logits."""
+    model = causal_lm("olmo2", layers=2).to(torch.bfloat16)
+    cache, tokens = prefilled(model)
+    eager = greedy(copy.deepcopy(model), copy.deepcopy(cache), tokens)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    assert not group.report.unfused, group.report.text()
+    norms = [c for c in group.report.chains if c.pattern == "rmsnorm" and any(n.startswith("add") for n in c.nodes)]
+    assert len(norms) == 2, group.report.text()
+    for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+
+
 def test_a_model_of_one_layer_is_fused_layer_by_layer_and_decodes_as_eager():
     """One decoder layer in its list (a draft model's) is a stack too: the layer, the glue around
     it (the model's own forward, the final norm, the rotary embedding) each fused."""
