@@ -86,9 +86,9 @@ class SplitSinCos(nn.Module):
     """The gathered rows split into sin and cos, each spread over the heads and applied to q
     (rotate_half for GPT-J's rotate_every_two): the table never built per token."""
 
-    def __init__(self, dim: int, dtype):
+    def __init__(self, dim: int, dtype, positions: int = 64):
         super().__init__()
-        angles = torch.arange(64)[:, None] * torch.linspace(0.01, 1.0, dim // 2)[None]
+        angles = torch.arange(positions)[:, None] * torch.linspace(0.01, 1.0, dim // 2)[None]
         self.register_buffer("embed_positions", torch.cat((angles.sin(), angles.cos()), -1).to(dtype))
 
     def forward(self, position_ids, q):
@@ -115,6 +115,14 @@ def test_rotary_rows_at_one_shared_position(dim, dtype):
     make = lambda T: (randn(gen(T), T, 1, 3, dim, dtype=dtype), shared_position(T))  # noqa: E731
     report = fused_matches(HiddenFirst(SplitSinCos(dim, dtype)), make, ["repeat", "gather", "repeat_interleave", "mul"])
     assert len(report.chains) == 1, report.text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rows_of_a_table_too_large_for_one_program_at_one_shared_position(dtype):
+    """GPT-J-6B's table (2048 positions of 64: more elements than one program holds): its sin/cos
+    chain has no token rows, and the gather reads one row of it, never the table whole."""
+    make = lambda T: (randn(gen(T), T, 1, 3, 64, dtype=dtype), shared_position(T))  # noqa: E731
+    fused_matches(HiddenFirst(SplitSinCos(64, dtype, positions=2048)), make, ["repeat", "gather", "repeat_interleave", "mul"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -126,12 +126,16 @@ def test_the_q_and_k_paths_of_a_decode_step_run_as_one_kernel():
     assert len(both) == 1, group.report.text()
 
 
-def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_read_by_its_rotary_kernel():
+def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_gathered_by_a_kernel():
     """GPT-J gathers its sin/cos row from a table repeated per sequence at the position ids; in
     a decode step those are one position for the whole batch ([1, 1]). The gather is a load of
-    the table's row inside the rotary kernel, nothing of it left eager, and as the position
-    moves on at every step the kernel reads it at run time: greedy decode gives eager's logits."""
-    model = causal_lm("gptj", layers=2)
+    the table's row in a kernel (with the sin/cos split and interleave: a chain of no token
+    rows, one program), nothing of it left eager, and as the position moves on at every step
+    the kernel reads it at run time: greedy decode gives eager's logits. At GPT-J-6B's rotary
+    width (64, of a head of 64 here) the table, 2048 positions of 64, is more than one program
+    holds: it is read a row at a time, never whole."""
+    model = causal_lm("gptj", layers=2, n_embd=128, n_head=2, rotary_dim=64)
+    assert model.transformer.h[0].attn.embed_positions.numel() > 1 << 16
     cache, tokens = prefilled(model)
     eager = greedy(copy.deepcopy(model), copy.deepcopy(cache), tokens)
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
