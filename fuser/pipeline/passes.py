@@ -162,8 +162,8 @@ def widen(p: Planning) -> Planning:
             wider = lowered(region, traced, cops) if region else None
             if wider is not None:
                 kernels[i] = wider
+                grew = grew or not region.covered <= covered  # (an op it took may stay a view: no growth)
                 covered |= region.covered
-                grew = True
     return p
 
 
