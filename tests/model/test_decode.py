@@ -141,8 +141,8 @@ def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_gathered_by_a_kernel():
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
     (group,) = report.groups
     assert not group.report.unfused, group.report.text()
-    (rotary,) = [c for c in group.report.chains if "gather" in c.nodes]
-    assert "embed_positions_stride_0" in open(rotary.path).read()
+    (gathering,) = [c for c in group.report.chains if "gather" in c.nodes]
+    assert "embed_positions_stride_0" in open(gathering.path).read()  # the table's row read where it is
     for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
