@@ -59,19 +59,13 @@ def config(name: str, layers: int | None = None, **overrides):
         spec = LM_ONLY[model]
         cfg = getattr(__import__(f"transformers.models.{spec['module']}", fromlist=["_"]), spec["config"])()
         cfg._attn_implementation = "sdpa"
-    else:
-        cfg = zoo.config(model, "cuda" if model in zoo.MODELS else "cpu")  # (a model of UNSEEN: its dims given here)
-    cfg.num_hidden_layers = layers or count
-    for key in ("layer_types", "mlp_layer_types"):
-        if getattr(cfg, key, None):
-            setattr(cfg, key, getattr(cfg, key)[:1] * cfg.num_hidden_layers)
-    for key, value in {**changes, **overrides}.items():
-        setattr(cfg, key, value)
-    if model == "deepseek_v4":
-        cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
-    if "moe" not in model and "deepseek" not in model:
+        cfg.num_hidden_layers = layers or count
         cfg._experts_implementation = None
-    return cfg
+        for key, value in {**changes, **overrides}.items():
+            setattr(cfg, key, value)
+        return cfg
+    # (a model of UNSEEN: its real dims are among its changes)
+    return zoo.causal_lm_config(model, layers or count, "cuda" if model in zoo.MODELS else "cpu", **changes, **overrides)
 
 
 def causal_lm(name: str, layers: int | None = None, device="cuda", **overrides):

@@ -31,23 +31,8 @@ BATCH, PROMPT = 3, 6
 def causal_lm(model: str, layers: int = 2, attention: str | None = None) -> torch.nn.Module:
     """The model's CausalLM at the zoo's tiny dims, ``layers`` decoder layers, bf16 (attention:
     transformers' implementation to ask for, where its default is not taken)."""
-    cfg = zoo.config(model, "cpu")
-    cfg.num_hidden_layers, cfg.vocab_size = layers, 128
-    if getattr(cfg, "pad_token_id", None) is not None and cfg.pad_token_id >= cfg.vocab_size:
-        cfg.pad_token_id = None  # (a real vocabulary's padding id, beyond the tiny one)
-    if attention:
-        cfg._attn_implementation = attention
-    for key in ("layer_types", "mlp_layer_types"):
-        if getattr(cfg, key, None):
-            setattr(cfg, key, getattr(cfg, key)[:1] * layers)
-    if model == "deepseek_v4":
-        cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
-    if "moe" not in model and "deepseek" not in model:
-        cfg._experts_implementation = None
-    spec = zoo.MODELS.get(model) or zoo.UNSEEN[model]
-    module = __import__(f"transformers.models.{spec['module']}", fromlist=["_"])
-    torch.manual_seed(0)
-    return getattr(module, spec["prefix"] + "ForCausalLM")(cfg).eval().to(torch.bfloat16)
+    overrides = {"_attn_implementation": attention} if attention else {}
+    return zoo.causal_lm(model, layers, vocab_size=128, **overrides).to(torch.bfloat16)
 
 
 def decode_step(model) -> dict:

@@ -193,6 +193,36 @@ def config(model: str, device) -> object:
     return cfg
 
 
+def causal_lm_config(model: str, layers: int, device="cpu", **overrides) -> object:
+    """The config of the model's whole CausalLM: the zoo's dims for ``device`` (:func:`config`),
+    ``layers`` decoder layers each like the first, then ``overrides`` (a tiny ``vocab_size``, real
+    dims of an ``UNSEEN`` model)."""
+    cfg = config(model, device)
+    cfg.num_hidden_layers = layers
+    for key in ("layer_types", "mlp_layer_types"):
+        if getattr(cfg, key, None):
+            setattr(cfg, key, getattr(cfg, key)[:1] * layers)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    if getattr(cfg, "pad_token_id", None) is not None and cfg.pad_token_id >= cfg.vocab_size:
+        cfg.pad_token_id = None  # (a real vocabulary's padding id, beyond a tiny one)
+    if model == "deepseek_v4":
+        cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
+    if "moe" not in model and "deepseek" not in model:
+        cfg._experts_implementation = None  # a dense model takes no experts implementation
+    return cfg
+
+
+def causal_lm(model: str, layers: int, device="cpu", **overrides) -> nn.Module:
+    """The model's ``<Prefix>ForCausalLM`` of :func:`causal_lm_config`, random weights (seed 0), on
+    ``device``, in eval mode, in the config's dtype (fp32)."""
+    cfg = causal_lm_config(model, layers, device, **overrides)
+    code = importlib.import_module(f"transformers.models.{_spec(model)['module']}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return getattr(code, _spec(model)["prefix"] + "ForCausalLM")(cfg).eval()
+
+
 def static_cache(config, max_cache_len: int):
     """transformers' ``StaticCache`` for a decode step captured in a CUDA graph: its plain layers
     in place of sliding-window ones. A ``StaticSlidingWindowLayer`` (every DeepSeek-V4 layer's)

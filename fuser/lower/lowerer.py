@@ -163,7 +163,8 @@ class Lowerer:
         if not isinstance(value, torch.Tensor) or not value.dim():
             return None
         for u in node.users:
-            if u not in self.nodes or not isinstance(self.traced.value(u), torch.Tensor) or self.traced.value(u).dim() != value.dim():
+            user_value = self.traced.value(u) if u in self.nodes else None
+            if not isinstance(user_value, torch.Tensor) or user_value.dim() != value.dim():
                 continue
             batch = self.traced.batch_dims(u)
             if batch and value.shape[batch[0]] == 1:

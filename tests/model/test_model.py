@@ -20,21 +20,7 @@ from tests.tools.test_cli import fuser_cli
 
 def causal_lm(model: str, layers: int = 3, **overrides):
     """The model's CausalLM at the zoo's tiny dims with ``layers`` decoder layers."""
-    cfg = zoo.config(model, "cpu")
-    cfg.num_hidden_layers, cfg.vocab_size = layers, 128
-    for key in ("layer_types", "mlp_layer_types"):
-        if getattr(cfg, key, None):
-            setattr(cfg, key, getattr(cfg, key)[:1] * layers)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    if model == "deepseek_v4":
-        cfg._attn_implementation = "eager"  # transformers' DeepseekV4ForCausalLM takes no sdpa
-    if "moe" not in model and "deepseek" not in model:
-        cfg._experts_implementation = None  # a dense model takes no experts implementation
-    spec = zoo.MODELS.get(model) or zoo.UNSEEN[model]
-    module = __import__(f"transformers.models.{spec['module']}", fromlist=["_"])
-    torch.manual_seed(0)
-    return getattr(module, spec["prefix"] + "ForCausalLM")(cfg).eval()
+    return zoo.causal_lm(model, layers, vocab_size=128, **overrides)
 
 
 def decode_inputs(batch: int = 5):
