@@ -121,9 +121,10 @@ def measure(variant: str, forward, batch: int, weights: int, copy_gbps: float) -
 
 def timing_row(variant: str, batch: int, step_us: float, glue: list[tuple[str, float]], heavy_launches: int,
                kernels: list[tuple[str, float, float]], replays: int, weights: int, copy_gbps: float, note: str = "") -> dict:  # fmt: skip
-    """A row from what was measured: ``glue`` [(kernel, µs)] of one replay, ``kernels`` [(name,
-    start µs, end µs)] of ``replays`` replays, ``weights`` bytes read per step."""
-    kernel_us = sum(end - start for _, start, end in kernels) / replays
+    """A row from what was measured: ``glue`` [(kernel, µs)] of one replay, each kernel's µs the
+    time it adds to the busy time (``fuser.tools.capture.exposed_us``), ``kernels`` [(name, start
+    µs, end µs)] of ``replays`` replays, ``weights`` bytes read per step. Heavy µs is the rest of
+    the busy time."""
     busy = busy_us(kernels) / replays
     glue_us = sum(us for _, us in glue)
     by_name: dict[str, float] = {}
@@ -132,8 +133,8 @@ def timing_row(variant: str, batch: int, step_us: float, glue: list[tuple[str, f
     top = dict(sorted(((n, round(us, 1)) for n, us in by_name.items()), key=lambda x: -x[1])[:8])
     return dict(variant=variant, batch=batch, step_us=round(step_us, 1), tokens_per_s=round(batch / step_us * 1e6),
                 busy_us=round(busy, 1), idle_us=round(step_us - busy, 1),
-                heavy_us=round(kernel_us - glue_us, 1), heavy_launches=heavy_launches,
-                glue_us=round(glue_us, 1), glue_launches=len(glue), glue_share=round(glue_us / kernel_us, 3) if kernel_us else None,
+                heavy_us=round(busy - glue_us, 1), heavy_launches=heavy_launches,
+                glue_us=round(glue_us, 1), glue_launches=len(glue), glue_share=round(glue_us / busy, 3) if busy else None,
                 weight_bytes=weights, roofline_us=round(roofline_us(weights, copy_gbps), 1),
                 roofline_share=round(roofline_share(weights, copy_gbps, step_us), 3),
                 note=note, top_glue=top, glue_order=[name[:60] for name, _ in glue])  # fmt: skip

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from fuser.tools.capture import capture_decode, profiled_replays, replay_time_us
+from fuser.tools.capture import capture_decode, exposed_us, profiled_replays, replay_time_us
 from fuser.ir.opaque import is_opaque
 from fuser.trace.call_spec import example_call
 
@@ -167,9 +167,10 @@ def copy_bandwidth_gbps(gib: float = 2.0) -> float:
 
 
 def _kernels(prof) -> list[tuple[str, float]]:
+    """(name, µs) of each kernel in start order, the µs each adds to the stream's time
+    (:func:`fuser.tools.capture.exposed_us`)."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.end - e.time_range.start) for e in events]
+    return exposed_us([(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events])
 
 
 def launched_kernels(call: Callable) -> list[str]:

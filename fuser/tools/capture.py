@@ -146,6 +146,19 @@ def replay_kernels(graph, replays: int = 10) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: k[1])
 
 
+def exposed_us(kernels) -> list[tuple[str, float]]:
+    """(name, µs) of each of ``kernels`` ((name, start, end) triples), in order of start: the µs
+    it adds to the time the GPU is busy — from its start, or from the latest end of the kernels
+    before it where it started earlier, to its end. A kernel launched with programmatic
+    dependent launch starts while the one before ends, and waits for it: that wait is the
+    kernel before's time, not its own. The µs sum to :func:`busy_us` of the same kernels."""
+    exposed, reach = [], float("-inf")
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        exposed.append((name, max(0.0, end - max(start, reach))))
+        reach = max(reach, end)
+    return exposed
+
+
 def busy_us(intervals) -> float:
     """How long at least one of ``intervals`` ((start, end) pairs, or (name, start, end) triples)
     runs: the length of their union (kernels on several streams overlap; each instant counts once)."""

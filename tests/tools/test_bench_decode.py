@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from benchmarks import bench_decode, bench_generate, causal_lms
 from benchmarks.causal_lms import experts_read, is_routed, roofline_share, roofline_us, weight_bytes
-from fuser.tools.capture import busy_us
+from fuser.tools.capture import busy_us, exposed_us
 
 DENSE = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)  # fmt: skip
@@ -130,18 +130,33 @@ def test_busy_time_is_the_union_of_kernel_intervals(intervals, busy):
 
 
 def test_a_row_from_two_traced_replays():
-    # Two replays 100 µs apart; in each a GEMM (0-40), a glue kernel overlapping it (30-50) and
-    # one after (60-65): 65 µs of kernel time, 55 µs busy per replay.
+    # Two replays 100 µs apart; in each a GEMM (0-40), a glue kernel launched early (programmatic
+    # dependent launch: 30-50, its first 10 µs waiting on the GEMM) and one after (60-65): 55 µs
+    # busy per replay, of which the glue adds 10 + 5.
     kernels = [(n, s + r * 100, e + r * 100) for r in range(2) for n, s, e in (("gemm", 0, 40), ("add", 30, 50), ("norm", 60, 65))]
-    glue = [("add", 20.0), ("norm", 5.0)]
+    glue = exposed_us(kernels[1:3])
+    assert glue == [("add", 20.0), ("norm", 5.0)]  # alone, the add's whole interval is its own
+    glue = [g for g in exposed_us(kernels[:3]) if g[0] != "gemm"]
+    assert glue == [("add", 10.0), ("norm", 5.0)]
     row = bench_decode.timing_row("fuser", 8, 100.0, glue, 1, kernels, 2, 4_000_000_000, 80_000.0, note="")
     assert row["busy_us"] == 55.0 and row["idle_us"] == 45.0
-    assert row["glue_us"] == 25.0 and row["glue_launches"] == 2
-    assert row["heavy_us"] == 40.0 and row["heavy_launches"] == 1  # 65 µs of kernels, 25 of them glue
-    assert row["glue_share"] == pytest.approx(25 / 65, abs=1e-3)
+    assert row["glue_us"] == 15.0 and row["glue_launches"] == 2
+    assert row["heavy_us"] == 40.0 and row["heavy_launches"] == 1  # 55 µs busy, 15 of them glue
+    assert row["glue_share"] == pytest.approx(15 / 55, abs=1e-3)
     assert row["roofline_us"] == 50.0 and row["roofline_share"] == 0.5  # 4 GB at 80 TB/s over a 100 µs step
     assert row["tokens_per_s"] == 80_000
-    assert row["top_glue"] == {"add": 20.0, "norm": 5.0}
+    assert row["top_glue"] == {"add": 10.0, "norm": 5.0}
+
+
+@pytest.mark.parametrize("kernels", [
+    [("a", 0.0, 10.0), ("b", 20.0, 25.0)],
+    [("a", 0.0, 10.0), ("b", 5.0, 15.0), ("c", 12.0, 13.0)],
+    [("a", 0.0, 30.0), ("b", 5.0, 10.0), ("c", 12.0, 40.0)],
+    [("c", 45.0, 60.0), ("a", 0.0, 10.0), ("b", 8.0, 12.0)],
+])  # fmt: skip
+def test_exposed_times_sum_to_the_busy_time(kernels):
+    assert sum(us for _, us in exposed_us(kernels)) == pytest.approx(busy_us(kernels))
+    assert all(us >= 0 for _, us in exposed_us(kernels))
 
 
 def fake_results() -> dict:
