@@ -28,7 +28,7 @@ import torch.nn as nn
 # where the model's names differ: ``layer`` (GPT-NeoX's GPTNeoXLayer), ``attn`` (the layer's attention
 # attribute, which ``_proj`` replaces), ``rotary=None`` (GPT-J's attention makes its own sin/cos),
 # ``attn_implementation`` (GPT-J ships no SDPA class), ``call`` (more arguments the model's own
-# forward passes the layer: Falcon's ``alibi=None``).
+# forward passes the layer: Falcon's ``alibi=None``), ``lm`` (the CausalLM class: Llama-4's text model).
 REAL, TINY = "real", "tiny"
 MODELS = {
     "qwen3": dict(  # Qwen3-8B
@@ -133,7 +133,7 @@ MODELS = {
                   head_dim=24, partial_rotary_factor=0.5),
     ),
     "llama4": dict(  # Llama-4-Scout's text layer: complex RoPE, L2 q/k norm, a bmm MoE over every expert
-        module="llama4", prefix="Llama4Text",
+        module="llama4", prefix="Llama4Text", lm="Llama4ForCausalLM",
         real=dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
                   num_experts_per_tok=1, num_attention_heads=40, num_key_value_heads=8, head_dim=128),
         tiny=dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
@@ -199,9 +199,11 @@ def causal_lm_config(model: str, layers: int, device="cpu", **overrides) -> obje
     dims of an ``UNSEEN`` model)."""
     cfg = config(model, device)
     cfg.num_hidden_layers = layers
-    for key in ("layer_types", "mlp_layer_types"):
+    for key in ("layer_types", "mlp_layer_types", "no_rope_layers"):  # a value per layer
         if getattr(cfg, key, None):
             setattr(cfg, key, getattr(cfg, key)[:1] * layers)
+    if getattr(cfg, "moe_layers", None) == [0]:  # the indices of the MoE layers (Llama-4's)
+        cfg.moe_layers = list(range(layers))
     for key, value in overrides.items():
         setattr(cfg, key, value)
     if getattr(cfg, "pad_token_id", None) is not None and cfg.pad_token_id >= cfg.vocab_size:
@@ -214,13 +216,13 @@ def causal_lm_config(model: str, layers: int, device="cpu", **overrides) -> obje
 
 
 def causal_lm(model: str, layers: int, device="cpu", **overrides) -> nn.Module:
-    """The model's ``<Prefix>ForCausalLM`` of :func:`causal_lm_config`, random weights (seed 0), on
+    """The model's ``<Prefix>ForCausalLM`` (or its spec's ``lm``) of :func:`causal_lm_config`, random weights (seed 0), on
     ``device``, in eval mode, in the config's dtype (fp32)."""
     cfg = causal_lm_config(model, layers, device, **overrides)
     code = importlib.import_module(f"transformers.models.{_spec(model)['module']}")
     torch.manual_seed(0)
     with torch.device(device):
-        return getattr(code, _spec(model)["prefix"] + "ForCausalLM")(cfg).eval()
+        return getattr(code, _spec(model).get("lm", _spec(model)["prefix"] + "ForCausalLM"))(cfg).eval()
 
 
 def static_cache(config, max_cache_len: int):

@@ -384,7 +384,17 @@ class RegionBuilder:
         cop = self.cops.get(node)
         if cop is None or not fusible(cop) or cop.op not in _RECOMPUTABLE or self.view_of_input(node):
             return False
-        return all(self.cops[a].kind == INPUT or self.recomputable(a) for a in cop.args if isinstance(a, fx.Node))
+        return all(self.of_input(a) or self.recomputable(a) for a in cop.args if isinstance(a, fx.Node))
+
+    def of_input(self, node: fx.Node) -> bool:
+        """A graph input, or a view of one (a slice of a sin/cos table): a kernel reads it
+        through its strides."""
+        while self.cops[node].kind in (VIEW, UNIT_VIEW):
+            sources = [a for a in self.cops[node].args if isinstance(a, fx.Node)]
+            if len(sources) != 1:
+                return False
+            node = sources[0]
+        return self.cops[node].kind == INPUT
 
     def alone(self, node: fx.Node) -> "lone_ops.Decision | None":
         """Does ``node``, one op alone between ops that cannot share its kernel, get a kernel of

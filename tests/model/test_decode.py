@@ -148,6 +148,26 @@ def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_gathered_by_a_kernel():
         assert problem is None, problem
 
 
+@pytest.mark.parametrize("name", ["glm4", "ernie4_5_moe"])
+def test_an_interleaved_rope_of_a_slice_of_the_shared_sin_cos_leaves_nothing_eager(name):
+    """GLM-4 and Ernie 4.5 interleave the first half of the sin/cos row
+    (``cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)``). The row is the model's
+    input to the layer and the slice a view of it: the RoPE kernel computes the interleave
+    itself, reading the row through the slice's strides, so no ``repeat_interleave`` is left to
+    PyTorch (Ernie's is in fp32 in a bf16 model); greedy decode gives eager's logits."""
+    model = causal_lm(name, layers=2).to(torch.bfloat16)
+    cache, tokens = prefilled(model)
+    eager = greedy(copy.deepcopy(model), copy.deepcopy(cache), tokens)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    assert not group.report.unfused, group.report.text()
+    (rope,) = [c for c in group.report.chains if any(n.startswith("neg") for n in c.nodes)]
+    assert not [i for i in rope.inputs if i.startswith("repeat_interleave")], rope.inputs
+    for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+
+
 def test_a_moe_s_experts_dispatch_leaves_no_glue_eager():
     """transformers' MoE experts (``integrations/moe.py``) gather each pick's hidden row at
     ``perm // top_k_index.size(-1)``, a size read after the cache's update (so a value of the
