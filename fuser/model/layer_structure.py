@@ -64,6 +64,8 @@ def attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, graph
             if type(x) is not int or type(y) is not int:
                 return None
             names = [n for n in paths if at_first[n] == x and at_layer[n] == y]
+            if len(names) > 1:  # (a layer's and its attention's layer_idx): the calling module's own
+                names = [n for n in names if n.rpartition(".")[0] == _calling_module(a)]
             if len(names) != 1:
                 return None
             read.append((a.name, position, names[0]))
@@ -91,3 +93,11 @@ def graph_key(graph) -> list:
     """The graph's ops in order, with their literal arguments and which nodes they read."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     return [_node_key(n, index) for n in graph.nodes]
+
+
+def _calling_module(node) -> str | None:
+    """The path of the submodule whose forward made ``node``'s call ("" for the layer itself)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    return next(reversed(stack.values()))[0]

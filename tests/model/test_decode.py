@@ -168,6 +168,28 @@ def test_an_interleaved_rope_of_a_slice_of_the_shared_sin_cos_leaves_nothing_eag
         assert problem is None, problem
 
 
+@pytest.mark.parametrize("name", ["llama4", "hunyuan_v1_moe"])
+def test_layers_holding_their_index_twice_share_one_plan_and_write_their_own_cache_layer(name):
+    """Llama-4's decoder layer keeps ``layer_idx`` beside its attention's (HunYuan's gate keeps
+    one too); only the attention's reaches a call (the cache's update). The layers still share
+    one plan, whose update reads the attention's index at run time: each layer writes its own
+    cache layer, and greedy decode gives eager's logits and caches."""
+    model = causal_lm(name, layers=3).to(torch.bfloat16)
+    cache, tokens = prefilled(model)
+    eager_cache = copy.deepcopy(cache)
+    eager = greedy(copy.deepcopy(model), eager_cache, tokens)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    assert len(group.layers) == 3, report.text()
+    fused_cache = copy.deepcopy(cache)
+    for i, (got, expected) in enumerate(zip(greedy(model, fused_cache, tokens), eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+    for layer in range(3):
+        problem = mismatch(fused_cache.layers[layer].keys, eager_cache.layers[layer].keys, f"layer {layer} keys", LAYER)
+        assert problem is None, problem
+
+
 def test_a_moe_s_experts_dispatch_leaves_no_glue_eager():
     """transformers' MoE experts (``integrations/moe.py``) gather each pick's hidden row at
     ``perm // top_k_index.size(-1)``, a size read after the cache's update (so a value of the
