@@ -216,8 +216,8 @@ def causal_lm_config(model: str, layers: int, device="cpu", **overrides) -> obje
 
 
 def causal_lm(model: str, layers: int, device="cpu", **overrides) -> nn.Module:
-    """The model's ``<Prefix>ForCausalLM`` (or its spec's ``lm``) of :func:`causal_lm_config`, random weights (seed 0), on
-    ``device``, in eval mode, in the config's dtype (fp32)."""
+    """The model's ``<Prefix>ForCausalLM`` (or its spec's ``lm``) of :func:`causal_lm_config`,
+    random weights (seed 0), on ``device``, in eval mode, in the config's dtype (fp32)."""
     cfg = causal_lm_config(model, layers, device, **overrides)
     code = importlib.import_module(f"transformers.models.{_spec(model)['module']}")
     torch.manual_seed(0)
