@@ -190,6 +190,33 @@ def test_layers_holding_their_index_twice_share_one_plan_and_write_their_own_cac
         assert problem is None, problem
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "deepseek_v4"])
+def test_merged_projections_decode_eager_s_logits_before_and_after_a_weight_update(name):
+    """Every step-level pass on (merged projections, the residual add in the GEMM, glue across
+    layers where it saves a launch): greedy decode from a static cache gives eager's logits at
+    every step; then one source weight of each merged group in the second layer is changed in
+    place, in both models, and the fused model's steps follow it."""
+    model = causal_lm(name, layers=2).to(torch.bfloat16)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    (group,) = report.groups
+    merged = group.report.merged_projections
+    assert merged, group.report.text()
+    second = model.model.layers[1], eager_model.model.layers[1]
+    for update in (False, True):
+        if update:
+            for names in merged:
+                last = names.split(" + ")[-1]
+                for layer in second:
+                    layer.get_submodule(last).weight.data.mul_(1.5)
+        expected = greedy(eager_model, copy.deepcopy(cache), tokens)
+        for i, (got, want) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), expected)):
+            problem = mismatch(got, want, f"logits at step {i}{' after the update' if update else ''}", LAYER)
+            assert problem is None, problem
+        assert model.model.layers[1].__dict__[STATE_ATTR].calls.fused >= STEPS, "the fused forward did not run"
+
+
 def test_a_moe_s_experts_dispatch_leaves_no_glue_eager():
     """transformers' MoE experts (``integrations/moe.py``) gather each pick's hidden row at
     ``perm // top_k_index.size(-1)``, a size read after the cache's update (so a value of the
