@@ -59,6 +59,8 @@ CASES = [
     ("deepseek_v4", "static", 2),
     ("deepseek_v3", "dynamic", 1),  # MLA views the keys by the cache's length, which grows each step
     ("gpt_neox", "static", 2),  # each layer's two LayerNorms computed by the layer before (glue across layers)
+    ("glm4", "dynamic", 2),  # its interleaved RoPE of a slice of the sin/cos row, computed in the RoPE kernel
+    ("llama4", "dynamic", 1),  # layers holding their index twice, one plan
 ]
 
 
