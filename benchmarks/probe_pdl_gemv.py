@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fuser.tools.capture import replay_time_us
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # (an older Triton: no PDL)
@@ -102,15 +104,7 @@ def graph_us(fn, replays=20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / replays
+    return replay_time_us(graph, replays)
 
 
 def tune(weights) -> dict:

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from fuser.trace.leaves import LEAF
+from fuser.trace.refusal import module_path
 from fuser.pipeline.fuse_module import Plan
 from fuser.install.fixed_at_apply import read_attributes
 
@@ -65,7 +66,7 @@ def attributes_read_by_leaves(p: Plan, first: nn.Module, layer: nn.Module, graph
                 return None
             names = [n for n in paths if at_first[n] == x and at_layer[n] == y]
             if len(names) > 1:  # (a layer's and its attention's layer_idx): the calling module's own
-                names = [n for n in names if n.rpartition(".")[0] == _calling_module(a)]
+                names = [n for n in names if n.rpartition(".")[0] == module_path(a)]
             if len(names) != 1:
                 return None
             read.append((a.name, position, names[0]))
@@ -93,11 +94,3 @@ def graph_key(graph) -> list:
     """The graph's ops in order, with their literal arguments and which nodes they read."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     return [_node_key(n, index) for n in graph.nodes]
-
-
-def _calling_module(node) -> str | None:
-    """The path of the submodule whose forward made ``node``'s call ("" for the layer itself)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    return next(reversed(stack.values()))[0]

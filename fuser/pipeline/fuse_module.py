@@ -29,7 +29,7 @@ from fuser.match.pattern_files import load_patterns
 from fuser.pipeline.pass_list import Fusing, run_pass_list, switched_off
 from fuser.regions.builder import fusible, token_free
 from fuser.trace.call_spec import CallSpec
-from fuser.trace.refusal import source_of
+from fuser.trace.refusal import module_path, source_of
 from fuser.trace.tracing import Traced, batch_dims_of, preserved_state
 
 
@@ -186,9 +186,7 @@ def captured_literals(module: torch.nn.Module, traced: Traced) -> dict[str, int 
     once: the fused graph keeps the value they had at apply time."""
     literals: dict[str, set] = {}
     for node in traced.graph.nodes:
-        stack = node.meta.get("nn_module_stack") or {}
-        owner = next(reversed(stack.values()))[0] if stack else ""
-        _literals_in((node.args, node.kwargs), literals.setdefault(owner, set()))
+        _literals_in((node.args, node.kwargs), literals.setdefault(module_path(node), set()))
     found = {}
     for owner, values in literals.items():
         try:

@@ -389,11 +389,8 @@ class RegionBuilder:
     def of_input(self, node: fx.Node) -> bool:
         """A graph input, or a view of one (a slice of a sin/cos table): a kernel reads it
         through its strides."""
-        while self.cops[node].kind in (VIEW, UNIT_VIEW):
-            sources = [a for a in self.cops[node].args if isinstance(a, fx.Node)]
-            if len(sources) != 1:
-                return False
-            node = sources[0]
+        while (base := viewed(self.cops.get(node))) is not None:
+            node = base
         return self.cops[node].kind == INPUT
 
     def alone(self, node: fx.Node) -> "lone_ops.Decision | None":

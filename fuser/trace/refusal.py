@@ -67,12 +67,17 @@ def user_stacklevel() -> int:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
+def module_path(node: fx.Node) -> str:
+    """The path of the submodule whose forward traced ``node`` ("" for the traced module's own)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
 def source_of(node: fx.Node) -> str:
     """Where a traced node comes from, as a person finds it: the submodule that computed it
     and the user's line (``self_attn.q_norm (transformers/models/qwen3/modeling_qwen3.py:58)``);
     "" when the trace kept neither."""
-    stack = node.meta.get("nn_module_stack") or {}
-    module = next(reversed(stack.values()))[0] if stack else ""
+    module = module_path(node)
     frames = _FRAME.findall(node.stack_trace or "")
     user = next(((f, line) for f, line in reversed(frames) if not is_library_file(f)), None)
     where = f"{_short(user[0])}:{user[1]}" if user else ""
