@@ -114,9 +114,17 @@ def measure(variant: str, forward, batch: int, weights: int, copy_gbps: float) -
     graph = capture.graphs[batch].graph
     step_us = replay_time_us(graph)
     classes = bench.kernel_classes(forward, (), heavy_calls=variant != "compile")
-    glue, heavy_launches, note, _ = bench.profile_replay(graph, classes)
+    glue, heavy_launches, note, totals = bench.profile_replay(graph, classes, replays=REPLAYS)
     kernels = replay_kernels(graph, REPLAYS)
-    return timing_row(variant, batch, step_us, glue, heavy_launches, kernels, REPLAYS, weights, copy_gbps, note)
+    row = timing_row(variant, batch, step_us, glue, heavy_launches, kernels, REPLAYS, weights, copy_gbps, note)
+    return dict(row, top_kernels=top_kernels(totals, REPLAYS))
+
+
+def top_kernels(totals: dict[str, list[float]], replays: int, count: int = 12) -> dict[str, list]:
+    """The kernels that take most of a step, glue and heavy alike: name -> [µs a step, launches
+    a step] (each launch's µs the time it adds to the busy time), the ``count`` largest."""
+    rows = sorted(((name[:80], sum(us) / replays, len(us) / replays) for name, us in totals.items()), key=lambda r: -r[1])
+    return {name: [round(us, 1), round(n, 1)] for name, us, n in rows[:count]}
 
 
 def timing_row(variant: str, batch: int, step_us: float, glue: list[tuple[str, float]], heavy_launches: int,

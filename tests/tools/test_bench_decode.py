@@ -245,3 +245,10 @@ def test_results_are_written_after_every_row(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_decode.bench, "copy_bandwidth_gbps", lambda: 4100.0)
     bench_decode.main(["--models", "llama_1b", "--batches", "1", "--out", str(tmp_path)])
     assert written == [1, 2, 3]
+
+
+def test_top_kernels_are_each_names_time_and_launches_a_step():
+    # two replays: a GEMV launched twice a step (4 + 6 µs), the attention once (9), a norm once (1)
+    totals = {"gemv": [4.0, 6.0, 4.0, 6.0], "attention": [9.0, 9.0], "norm": [1.0, 1.0]}
+    assert bench_decode.top_kernels(totals, 2) == {"gemv": [10.0, 2.0], "attention": [9.0, 1.0], "norm": [1.0, 1.0]}
+    assert list(bench_decode.top_kernels(totals, 2, count=2)) == ["gemv", "attention"]
