@@ -67,6 +67,8 @@ def explained(model_name: str) -> list[str]:
         lines += [f"  - eager: `{u.node}` ({u.op}, {u.launches}): {u.reason[:220]}" for u in group.report.unfused]
     for name, other in report.others.items():
         lines += [f"- {name}: eager `{u.node}` ({u.op}, {u.launches}): {u.reason[:200]}" for u in other.unfused]
+    lines += [f"- {name}: {how}" for name, how in report.handed_over.items()]
+    lines += [f"- {name}: not computed by the last layer: {why}" for name, why in report.handed_over_apart.items()]
     return lines
 
 

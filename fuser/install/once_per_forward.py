@@ -72,12 +72,19 @@ def take_handed_over(launch: Callable) -> Callable:
 
     @functools.wraps(launch)
     def taken(*args):
-        memo = _MEMO.get()
-        key = _key(launch, args) if memo else None
-        found = memo.pop((_HANDED, key), None) if key is not None else None
-        return found[1] if found is not None else _run(launch, args)
+        found = take(launch, args)
+        return found if found is not None else _run(launch, args)
 
     return taken
+
+
+def take(launch: Callable, args: tuple) -> tuple | None:
+    """The results another kernel handed over for ``launch(*args)`` in this forward, taken (each
+    once); None where there are none."""
+    memo = _MEMO.get()
+    key = _key(launch, args) if memo else None
+    found = memo.pop((_HANDED, key), None) if key is not None else None
+    return found[1] if found is not None else None
 
 
 def _key(launch: Callable, args: tuple) -> tuple | None:

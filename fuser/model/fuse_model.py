@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
 from fuser.pipeline.next_layer_entry import NEXT, NextLayer, entries_of
+from fuser.model.final_norm import NotHanded, called_on_output, hand_to_final_norm
 from fuser.pipeline.pass_list import switched_off
 from fuser.regions.lone_ops import gave_a_kernel
 from fuser.model.model_report import LayerGroup, ModelReport
@@ -83,7 +84,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
     if any(is_fused(m) for m in model.modules()):
         raise FuserError(f"{type(model).__name__} has fused submodules; call fuser.restore() on them first")
     report = report if report is not None else ModelReport(type(model).__name__)
-    fused: list[nn.Module] = []
+    fused = Installed()
     progress = Progress(type(model).__name__, len(layers))
     try:
         for group in groups_of(layers, options.get("leaves", ())):
@@ -98,6 +99,7 @@ def apply_model(model: nn.Module, example_inputs, example_kwargs=None, report: M
                 report.skipped[name] = f"called again in one forward unlike its first call ({calls.varied[id(module)]}): traced into its parent's forward"
                 continue
             _fuse_other(name, module, calls.get(id(module)), options, report, fused, progress)
+        _hand_to_final_norms(model, stacks, others, calls, report, fused)
         batch = calls[id(layers[0][1])][0][0].shape[0]
         for name, module in parents:  # its own forward, with its layers and submodules as leaves
             call = calls.get(id(module))
@@ -196,7 +198,7 @@ def _log_group(progress: Progress, group, groups: list[LayerGroup], started: flo
                           g.report.launches_before, g.report.launches_after, since=started)  # fmt: skip
 
 
-def _fuse_group(group, calls, options, fused: list, progress: Progress, following: dict) -> list[LayerGroup]:
+def _fuse_group(group, calls, options, fused: Installed, progress: Progress, following: dict) -> list[LayerGroup]:
     """Fuse one structure's layers with one plan; layers whose literals or outputs differ get
     a plan of their own. Returns the groups as fused (or left eager)."""
     (first_name, first), rest = group[0], group[1:]
@@ -261,12 +263,48 @@ def _computed(precomputed, layer: nn.Module, p: Plan) -> tuple:
         layer.__dict__.pop(NEXT, None)
 
 
-def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: list, literals=None) -> None:
+class Installed(list):
+    """The modules fused so far (each restored should anything fail), and the plan each was
+    installed with (by module id)."""
+
+    def __init__(self):
+        super().__init__()
+        self.plans: dict[int, Plan] = {}
+
+    def remove(self, module) -> None:
+        super().remove(module)
+        self.plans.pop(id(module), None)
+
+
+def _install(layer: nn.Module, p: Plan, constants, precomputed, fused: Installed, literals=None) -> None:
     if p.hand_overs:
         constants = {**constants, NEXT: p.next_of[id(layer)]}
     install(layer, p.forward, p.guard, p.report, constants, precomputed, p.literals if literals is None else literals, p.merged,
             p.bypassed)  # fmt: skip
     fused.append(layer)
+    fused.plans[id(layer)] = p
+
+
+def _hand_to_final_norms(model: nn.Module, stacks, others, calls, report: ModelReport, fused: Installed) -> None:
+    """The last layer of each stack that hands its entry kernel over computes the final norm
+    called on its output instead (:mod:`fuser.model.final_norm`); reported either way."""
+    for stack_name, stack in stacks:
+        last = stack[len(stack) - 1]
+        layer_plan = fused.plans.get(id(last))
+        if layer_plan is None or not layer_plan.hand_overs:
+            continue
+        for name, module in others:
+            norm_plan = fused.plans.get(id(module))
+            if norm_plan is None or id(module) not in calls or not called_on_output(calls[id(module)], calls[id(last)]):
+                continue
+            owner_name, _, attr = name.rpartition(".")
+            try:
+                kernels = hand_to_final_norm(last, layer_plan, model.get_submodule(owner_name), attr, norm_plan, calls[id(module)])
+            except NotHanded as e:
+                report.handed_over_apart[name] = str(e)
+                continue
+            report.handed_over[name] = f"computed by {stack_name}.{len(stack) - 1}'s {', '.join(kernels)}"
+            break
 
 
 def _handed_to(group: LayerGroup, stacks) -> int:
@@ -320,7 +358,7 @@ def _handed_line(hand, p: Plan) -> str:
     return f"{hand.entry.kernel} ({', '.join(hand.entry.outputs)}) of the next layer: computed by {', '.join(makers) or 'PyTorch'}"
 
 
-def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fused: list) -> bool:
+def _traces_alike(p: Plan, first: nn.Module, layer: nn.Module, call, options, fused: Installed) -> bool:
     """Does ``layer`` trace to the graph ``p`` was planned on? A scalar attribute may look like
     one the graph holds (``layer_idx = 1`` where the graph has a literal 1) without being read:
     then its layers still share the plan. Where it is read only as an argument of a leaf call
@@ -450,7 +488,7 @@ def _batch_inputs(layer: nn.Module, args, kwargs, batch: int | None = None) -> d
     return infer_batch_inputs(call.names, tensors, tokens=batch)
 
 
-def _fuse_other(name, module, call, options, report: ModelReport, fused: list, progress: Progress) -> None:
+def _fuse_other(name, module, call, options, report: ModelReport, fused: Installed, progress: Progress) -> None:
     started = time.perf_counter()
     _fuse_one_other(name, module, call, options, report, fused)
     if name in report.others:
@@ -460,7 +498,7 @@ def _fuse_other(name, module, call, options, report: ModelReport, fused: list, p
         progress.note("%s not fused: %s", name, report.skipped[name], since=started)
 
 
-def _fuse_one_other(name, module, call, options, report: ModelReport, fused: list) -> None:
+def _fuse_one_other(name, module, call, options, report: ModelReport, fused: Installed) -> None:
     if call is None:
         return  # not called by the forward
     args, kwargs, _ = call

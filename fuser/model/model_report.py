@@ -35,6 +35,9 @@ class ModelReport:
     groups: list[LayerGroup] = field(default_factory=list)
     others: dict[str, Report] = field(default_factory=dict)  # other submodules fused: name -> report
     skipped: dict[str, str] = field(default_factory=dict)  # other submodules not fused: name -> why
+    # other submodules whose one kernel a stack's last layer computes (fuser.model.final_norm): name -> by what
+    handed_over: dict[str, str] = field(default_factory=dict)
+    handed_over_apart: dict[str, str] = field(default_factory=dict)  # name -> why its kernel is its own
     pending: str | None = None  # fused lazily (fuser.model.lazy_model): why nothing is fused yet
     fused_again: list[str] = field(default_factory=list)  # fused lazily, then again from a later call: why
 
@@ -51,6 +54,7 @@ class ModelReport:
         if what == "launches_after":  # a kernel of the layers' inputs alone: once for the group
             layers -= sum(len(g.report.shared) * (len(g.layers) - 1) for g in self.groups if g.report)
             layers -= sum(len(g.report.across_layers) * g.handed_to for g in self.groups if g.report)
+            layers -= len(self.handed_over)
         return layers + sum(getattr(r, what) for r in self.others.values())
 
     @property
@@ -89,6 +93,10 @@ class ModelReport:
                 lines += ["  " + line for line in r.text().splitlines()]
         for name, r in self.others.items():
             lines += ["", f"{name}: {r.launches_before} -> {r.launches_after} launches"]
+            if name in self.handed_over:
+                lines.append(f"  0 within a forward of the model: {self.handed_over[name]}")
+            elif name in self.handed_over_apart:
+                lines.append(f"  not computed by the last layer: {self.handed_over_apart[name]}")
         for name, why in self.skipped.items():
             lines.append(f"{name}: not fused ({why})")
         return "\n".join(lines)

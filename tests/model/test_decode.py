@@ -41,6 +41,14 @@ def greedy(model, cache, tokens) -> list[torch.Tensor]:
     return logits
 
 
+def assert_same_logits(fused: list[torch.Tensor], eager: list[torch.Tensor], when: str = "") -> None:
+    """Each step's logits within the layer tolerance of eager's (``when``: said after the step)."""
+    assert len(fused) == len(eager) == STEPS
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}{when}", LAYER)
+        assert problem is None, problem
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v4", "ernie4_5_moe"])
 def test_greedy_decode_with_a_static_cache_matches_eager(name, monkeypatch):
     model = causal_lm(name, layers=2)
@@ -65,9 +73,7 @@ def test_greedy_decode_with_a_static_cache_matches_eager(name, monkeypatch):
     taken = Taken(monkeypatch)
     fused = greedy(model, fused_cache, tokens)
     assert taken.kernel == 2 * STEPS
-    for i, (got, expected) in enumerate(zip(fused, eager)):
-        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
-        assert problem is None, problem
+    assert_same_logits(fused, eager)
     for layer in range(2):  # each layer wrote its own slot of the cache, at the same positions
         got, expected = fused_cache.layers[layer], eager_cache.layers[layer]
         assert torch.equal(got.cumulative_length, expected.cumulative_length)
@@ -143,9 +149,7 @@ def test_gpt_j_s_sin_cos_row_at_the_shared_position_is_gathered_by_a_kernel():
     assert not group.report.unfused, group.report.text()
     (gathering,) = [c for c in group.report.chains if "gather" in c.nodes]
     assert "embed_positions_stride_0" in open(gathering.path).read()  # the table's row read where it is
-    for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
-        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
-        assert problem is None, problem
+    assert_same_logits(greedy(model, copy.deepcopy(cache), tokens), eager)
 
 
 @pytest.mark.parametrize("name", ["glm4", "ernie4_5_moe"])
@@ -163,9 +167,7 @@ def test_an_interleaved_rope_of_a_slice_of_the_shared_sin_cos_leaves_nothing_eag
     assert not group.report.unfused, group.report.text()
     (rope,) = [c for c in group.report.chains if any(n.startswith("neg") for n in c.nodes)]
     assert not [i for i in rope.inputs if i.startswith("repeat_interleave")], rope.inputs
-    for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
-        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
-        assert problem is None, problem
+    assert_same_logits(greedy(model, copy.deepcopy(cache), tokens), eager)
 
 
 @pytest.mark.parametrize("name", ["llama4", "hunyuan_v1_moe"])
@@ -182,9 +184,7 @@ def test_layers_holding_their_index_twice_share_one_plan_and_write_their_own_cac
     (group,) = report.groups
     assert len(group.layers) == 3, report.text()
     fused_cache = copy.deepcopy(cache)
-    for i, (got, expected) in enumerate(zip(greedy(model, fused_cache, tokens), eager)):
-        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
-        assert problem is None, problem
+    assert_same_logits(greedy(model, fused_cache, tokens), eager)
     for layer in range(3):
         problem = mismatch(fused_cache.layers[layer].keys, eager_cache.layers[layer].keys, f"layer {layer} keys", LAYER)
         assert problem is None, problem
@@ -211,9 +211,7 @@ def test_merged_projections_decode_eager_s_logits_before_and_after_a_weight_upda
                 for layer in second:
                     layer.get_submodule(last).weight.data.mul_(1.5)
         expected = greedy(eager_model, copy.deepcopy(cache), tokens)
-        for i, (got, want) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), expected)):
-            problem = mismatch(got, want, f"logits at step {i}{' after the update' if update else ''}", LAYER)
-            assert problem is None, problem
+        assert_same_logits(greedy(model, copy.deepcopy(cache), tokens), expected, " after the update" if update else "")
         assert model.model.layers[1].__dict__[STATE_ATTR].calls.fused >= STEPS, "the fused forward did not run"
 
 
@@ -244,9 +242,7 @@ def test_olmo2_s_residual_add_after_its_post_feedforward_norm_joins_that_norm():
     assert not group.report.unfused, group.report.text()
     norms = [c for c in group.report.chains if c.pattern == "rmsnorm" and any(n.startswith("add") for n in c.nodes)]
     assert len(norms) == 2, group.report.text()
-    for i, (got, expected) in enumerate(zip(greedy(model, copy.deepcopy(cache), tokens), eager)):
-        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
-        assert problem is None, problem
+    assert_same_logits(greedy(model, copy.deepcopy(cache), tokens), eager)
 
 
 def test_a_model_of_one_layer_is_fused_layer_by_layer_and_decodes_as_eager():
@@ -263,9 +259,7 @@ def test_a_model_of_one_layer_is_fused_layer_by_layer_and_decodes_as_eager():
     assert report.launches_after < report.launches_before / 2, report.text()
 
     fused = greedy(model, fused_cache, tokens)
-    for i, (got, expected) in enumerate(zip(fused, eager)):
-        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
-        assert problem is None, problem
+    assert_same_logits(fused, eager)
 
 
 def test_deepseek_v4_decodes_alike_from_plain_static_layers_and_the_kernel_writes_them(monkeypatch):

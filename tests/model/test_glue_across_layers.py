@@ -11,10 +11,11 @@ import torch.nn as nn
 
 import fuser
 import fuser.install.once_per_forward
+import fuser.model.final_norm
 from fuser.install.splice import STATE_ATTR
 from fuser.pipeline.next_layer_entry import HandOver
 from fuser.validate.tolerance import LAYER, mismatch
-from tests.model.test_decode import PROMPT, STEPS, greedy, prefilled, step
+from tests.model.test_decode import PROMPT, STEPS, assert_same_logits, greedy, prefilled, step
 from tests.model.test_model import causal_lm
 
 E, LAYERS = 24, 3
@@ -164,12 +165,15 @@ def test_where_it_saves_no_launch_the_layer_keeps_its_plan_with_the_reason():
 
 
 @pytest.mark.parametrize("name", ["gpt_neox", "starcoder2", "qwen3_moe"])
-def test_a_causal_lm_decodes_eager_s_logits_with_each_layer_s_norm_computed_by_the_layer_before(name, entry_launches):
+def test_a_causal_lm_decodes_eager_s_logits_with_each_layer_s_norm_computed_by_the_layer_before(name, entry_launches,
+                                                                                               norm_kernel_runs):  # fmt: skip
     """transformers' GPT-NeoX (parallel residual: both LayerNorms of the next layer), StarCoder2
     (LayerNorm with bias after a biased add) and Qwen3-MoE (the experts' combine and the
     residual, then the next RMSNorm) as shipped, greedy decode from a static
     cache: every step's logits are eager's, and again after a weight update of the second
-    layer's input norm; in each step the entry kernel runs once, for the first layer."""
+    layer's input norm; in each step the entry kernel runs once, for the first layer. In
+    StarCoder2 and Qwen3-MoE the last layer computes the final norm (``model.norm``, a norm as
+    the layers' input norm), which then launches nothing in a step."""
     model = causal_lm(name, layers=LAYERS)
     cache, tokens = prefilled(model)
     eager_model = copy.deepcopy(model)
@@ -178,17 +182,20 @@ def test_a_causal_lm_decodes_eager_s_logits_with_each_layer_s_norm_computed_by_t
     assert len(group.report.across_layers) == 1 and group.handed_to == LAYERS - 1, group.report.text()
     stack = (lambda m: m.gpt_neox.layers) if name == "gpt_neox" else (lambda m: m.model.layers)
     hand = hand_over_of(stack(model)[0])
+    if name in ("qwen3_moe", "starcoder2"):
+        assert list(report.handed_over) == ["model.norm"], report.text()
+    elif name == "gpt_neox":  # its entry is both LayerNorms of a layer, the final norm one
+        assert "other ops" in report.handed_over_apart["gpt_neox.final_layer_norm"], report.text()
     for update in (False, True):
         if update:
             for m in (model, eager_model):
                 stack(m)[1].input_layernorm.weight.mul_(1.5)
         eager_logits = greedy(eager_model, copy.deepcopy(cache), tokens)
         entry_launches.clear()
+        norm_kernel_runs.clear()
         fused = greedy(model, copy.deepcopy(cache), tokens)
-        assert entry_launches.count(hand.launch) == STEPS
-        for i, (got, expected) in enumerate(zip(fused, eager_logits)):
-            problem = mismatch(got, expected, f"logits at step {i}{' after the update' if update else ''}", LAYER)
-            assert problem is None, problem
+        assert entry_launches.count(hand.launch) == STEPS and norm_kernel_runs == []
+        assert_same_logits(fused, eager_logits, " after the update" if update else "")
 
 
 def test_a_kernel_whose_input_is_another_tensor_is_no_entry():
@@ -271,3 +278,114 @@ def test_an_input_norm_after_a_leaf_given_the_hidden_states_is_no_entry():
     (group,) = report.groups
     assert group.report.across_layers == [] and "before a leaf or an in-place op" in group.report.across_layers_apart
     assert mismatch(model(x.clone()), expected, "output", LAYER) is None
+
+
+# --- the last layer computes the final norm (fuser.model.final_norm) ---------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(E))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RMSLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm()
+
+
+class NormedStack(nn.Module):
+    """Layers, then a final norm (``final_eps``) of their output."""
+
+    def __init__(self, final_eps=1e-6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([RMSLayer() for _ in range(LAYERS)])
+        self.norm = RMSNorm(final_eps)
+        for norm in [layer.norm for layer in self.layers] + [self.norm]:
+            nn.init.normal_(norm.weight, 1.0, 0.3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def eager_normed(model: NormedStack, x):
+    for layer in model.layers:
+        x = Layer.forward(layer, x)
+    return RMSNorm.forward(model.norm, x)
+
+
+@pytest.fixture
+def norm_kernel_runs():
+    """Calls of the final norm's own fused forward (its kernel), by module: patched at each apply."""
+    runs = []
+    take = fuser.model.final_norm.TakesHandOver.__call__
+
+    def counted(self, module, *args):
+        fused = self.fused
+        self.fused = lambda m, *a: runs.append(m) or fused(m, *a)
+        try:
+            return take(self, module, *args)
+        finally:
+            self.fused = fused
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fuser.model.final_norm.TakesHandOver, "__call__", counted)
+        yield runs
+
+
+def test_the_last_layer_computes_the_final_norm_within_a_forward_of_the_model(entry_launches, norm_kernel_runs):
+    model = NormedStack()
+    report = fuser.apply(model, (x_of(0),))
+    assert "norm" in report.others and report.handed_over == {"norm": report.handed_over["norm"]}, report.text()
+    assert report.handed_over["norm"].startswith(f"computed by layers.{LAYERS - 1}'s "), report.handed_over
+    (group,) = report.groups
+    assert report.launches_after == LAYERS * group.report.launches_after - (LAYERS - 1) + report.others["norm"].launches_after - 1
+    assert "0 within a forward of the model: computed by layers.2's" in report.text()
+    hand = hand_over_of(model.layers[0])
+    for seed in (1, 2):  # and another batch size
+        x = x_of(seed, tokens=4 + seed)
+        entry_launches.clear()
+        norm_kernel_runs.clear()
+        assert mismatch(model(x.clone()), eager_normed(model, x.clone()), "output", LAYER) is None
+        assert entry_launches.count(hand.launch) == 1 and norm_kernel_runs == []  # the last layer's kernel did it
+
+    x = x_of(3)
+    alone = model.norm(x.clone())  # called on its own: its own kernel
+    assert norm_kernel_runs == [model.norm]
+    assert mismatch(alone, RMSNorm.forward(model.norm, x.clone()), "the norm alone", LAYER) is None
+
+
+def test_a_final_norm_weight_changed_after_apply_and_a_deep_copy_are_followed(norm_kernel_runs):
+    model = NormedStack()
+    fuser.apply(model, (x_of(0),))
+    model.norm.weight.mul_(-2.0)
+    x = x_of(4)
+    assert mismatch(model(x.clone()), eager_normed(model, x.clone()), "output after the update", LAYER) is None
+    twin = copy.deepcopy(model)
+    twin.norm.weight.mul_(0.5)  # the copy's own final norm
+    norm_kernel_runs.clear()
+    assert mismatch(twin(x.clone()), eager_normed(twin, x.clone()), "the copy's output", LAYER) is None
+    assert norm_kernel_runs == []  # the copy's last layer computed the copy's norm
+    assert mismatch(model(x.clone()), eager_normed(model, x.clone()), "the original's output", LAYER) is None
+
+    fuser.restore(model)
+    assert fuser.model.final_norm.NEXT not in model.layers[LAYERS - 1].__dict__
+    assert torch.equal(model(x.clone()), eager_normed(model, x.clone()))
+
+
+def test_a_final_norm_of_other_ops_than_the_layers_entry_runs_its_own_kernel_with_the_reason(norm_kernel_runs):
+    model = NormedStack(final_eps=1e-5)  # the layers' norms have eps 1e-6
+    report = fuser.apply(model, (x_of(0),))
+    assert report.handed_over == {} and "other ops than the layers' entry kernel" in report.handed_over_apart["norm"]
+    assert "not computed by the last layer: its kernel computes other ops" in report.text()
+    x = x_of(5)
+    assert mismatch(model(x.clone()), eager_normed(model, x.clone()), "output", LAYER) is None
+    assert norm_kernel_runs == []  # (not wrapped: the norm's fused forward is its own)
