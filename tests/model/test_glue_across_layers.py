@@ -389,3 +389,25 @@ def test_a_final_norm_of_other_ops_than_the_layers_entry_runs_its_own_kernel_wit
     x = x_of(5)
     assert mismatch(model(x.clone()), eager_normed(model, x.clone()), "output", LAYER) is None
     assert norm_kernel_runs == []  # (not wrapped: the norm's fused forward is its own)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_captured_forward_replays_the_final_norm_the_last_layer_computed():
+    model = NormedStack().cuda().to(torch.bfloat16)
+    static = x_of(0, tokens=8).cuda().to(torch.bfloat16)
+    report = fuser.apply(model, (static.clone(),))
+    assert list(report.handed_over) == ["norm"], report.text()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(static.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(static)
+    for seed in (1, 2):
+        static.copy_(x_of(seed, tokens=8).to(static))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert mismatch(out, eager_normed(model, static.clone()), "replayed output", LAYER) is None
