@@ -46,13 +46,13 @@ def _is_call(node: fx.Node) -> bool:
 def size_checked(launch: Callable, name: str, inputs: list[fx.Node], traced: Traced, fed: set[fx.Node]) -> Callable:
     """``launch`` with a check of the sizes of its inputs that a call given state fed; itself
     when there are none."""
-    expected = [_sizes(traced, node) if node in fed else None for node in inputs]
+    expected = [traced_sizes(traced, node) if node in fed else None for node in inputs]
     if not any(expected):
         return launch
 
     def checked(*args):
         for value, sizes, node in zip(args, expected, inputs):
-            if sizes is not None and isinstance(value, torch.Tensor) and not _fits(value.shape, sizes):
+            if sizes is not None and isinstance(value, torch.Tensor) and not fits(value.shape, sizes):
                 raise StateSizeChanged(
                     f"fuser: kernel {name} was built for `{node.name}` of size {_shown(sizes)} and got {tuple(value.shape)}: "
                     "a call given state (a cache that grows) returned another size than at apply time, and that "
@@ -64,14 +64,15 @@ def size_checked(launch: Callable, name: str, inputs: list[fx.Node], traced: Tra
     return checked
 
 
-def _sizes(traced: Traced, node: fx.Node) -> tuple | None:
+def traced_sizes(traced: Traced, node: fx.Node) -> tuple | None:
+    """The sizes the trace gave ``node``'s value, None at a dim that follows the batch."""
     a, b = traced.shadows.get(node.name, (None, None))
     if not isinstance(a, torch.Tensor):
         return None
     return tuple(x if x == y else None for x, y in zip(a.shape, b.shape))
 
 
-def _fits(shape, sizes: tuple) -> bool:
+def fits(shape, sizes: tuple) -> bool:
     return len(shape) == len(sizes) and all(want is None or have == want for have, want in zip(shape, sizes))
 
 

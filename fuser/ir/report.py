@@ -155,7 +155,9 @@ class Report:
             lines += ["", f"read off the call's state as traced (a call where one differs runs eager): {values}"]
         if self.free_sizes:
             values = ", ".join(f"{k} dims {v}" for k, v in self.free_sizes.items())
-            lines += ["", f"inputs that reach no kernel, whose sizes may differ from call to call: {values}"]
+            lines += ["", "inputs that reach no kernel (or only a kernel of the call's inputs alone, which runs their glue as "
+                          f"PyTorch's ops at sizes it was not built for: fuser.install.any_size), whose sizes may differ from "
+                          f"call to call: {values}"]
         if self.sizes_near_literals:
             values = ", ".join(f"{k} dims {v}" for k, v in self.sizes_near_literals.items())
             lines += ["", f"inputs that reach no kernel, held at their sizes because a literal of the graph lies next to them "

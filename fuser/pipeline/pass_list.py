@@ -33,6 +33,7 @@ from fuser.install.kv_cache import write_in_one_kernel
 from fuser.install.merged_weights import MergedWeights
 from fuser.install.free_sizes import free_sizes, reached_from
 from fuser.install.leaf_sizes import fed_by_state, size_checked
+from fuser.install.any_size import at_any_size, eager_region
 from fuser.install.once_per_forward import once_per_forward, shareable, take_handed_over
 from fuser.pipeline import passes
 from fuser.pipeline.merged_projections import merge_projections
@@ -193,14 +194,19 @@ def link_hand_overs(f: Fusing) -> None:
 def fused_graph(f: Fusing) -> None:
     copied = {c.node for c in f.copies}
     from_state = fed_by_state(f.traced)
-    f.free, f.near_literals = free_sizes(f.traced, f.cops, f.covered() | copied, from_state)
+    # a shared kernel whose glue runs as PyTorch's ops at other sizes holds none (fuser.install.any_size)
+    any_size = {id(k): (k, ops) for k in f.shared if (ops := eager_region(k.region, f.traced.graph)) is not None}
+    held = f.covered() - set().union(*(k.region.covered for k, _ in any_size.values()))
+    f.free, f.near_literals = free_sizes(f.traced, f.cops, held | copied, from_state)
     fed = from_state | reached_from(f.traced.graph, f.free)
-    launchers = {
-        i: size_checked(once_per_forward(k.launch) if k in f.shared else take_handed_over(k.launch) if k in f.taken else k.launch,
-                        k.path.name if k.path else str(i),
-                        k.region.inputs, f.traced, fed)
-        for i, k in enumerate(f.kernels)
-    }  # fmt: skip
+
+    def launcher(k):
+        if id(k) in any_size:
+            return once_per_forward(at_any_size(k.launch, any_size[id(k)][1], k.region.inputs, f.traced))
+        launch = once_per_forward(k.launch) if k in f.shared else take_handed_over(k.launch) if k in f.taken else k.launch
+        return size_checked(launch, k.path.name if k.path else "", k.region.inputs, f.traced, fed)
+
+    launchers = {i: launcher(k) for i, k in enumerate(f.kernels)}
     constants = {n: attribute for n, (attribute, _) in f.constants.items()}
     f.graph, f.survivors = rewrite_graph(f.traced.graph, f.cops, [k.region for k in f.kernels], launchers, constants)
 

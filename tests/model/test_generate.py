@@ -20,9 +20,9 @@ from tests.model.test_model import causal_lm
 PROMPT, NEW = 5, 4
 
 
-def prompt(batch: int):
+def prompt(batch: int, length: int = PROMPT):
     """Token ids and their attention mask; with batch > 1 the first sequence is left-padded."""
-    ids = torch.randint(1, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     if batch > 1:
         mask[0, :2] = 0
@@ -64,10 +64,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,cache,batch", CASES, ids=[f"{n}-{c}-batch{b}" for n, c, b in CASES])
-def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
-    model = causal_lm(name, layers=2)
-    ids, mask = prompt(batch)
+#: bf16, a padding mask and a dynamic cache: the additive mask is a kernel (in fp32 its one op stays
+#: PyTorch's), and its key length grows each step (fuser.install.any_size). A prompt of LONG_PROMPT
+#: keeps the key lengths clear of the tiny dims' literals (a MoE router's histc max of 7, say),
+#: next to which the mask's length would be held until a later decode call fuses again.
+LONG_PROMPT = 21
+BF16_CASES = [
+    ("llama", "dynamic", 2),
+    ("qwen3_moe", "dynamic", 2),
+    ("gemma2", "dynamic", 2),
+]
+ALL_CASES = [(*case, torch.float32) for case in CASES] + [(*case, torch.bfloat16) for case in BF16_CASES]
+
+
+@pytest.mark.parametrize("name,cache,batch,dtype", ALL_CASES,
+                         ids=[f"{n}-{c}-batch{b}{'-bf16' if d == torch.bfloat16 else ''}" for n, c, b, d in ALL_CASES])  # fmt: skip
+def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch, dtype):
+    model = causal_lm(name, layers=2).to(dtype)
+    length = LONG_PROMPT if dtype == torch.bfloat16 else PROMPT
+    ids, mask = prompt(batch, length)
     eager = generate(model, ids, mask, cache)
 
     report = fuser.apply(model)
@@ -87,10 +102,10 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch):
     assert torch.equal(again, eager)
     after = layer_calls(model)
     for layer, counts in after.items():
-        # every decode step fused; the prefill (PROMPT tokens per sequence) declined, counted
+        # every decode step fused; the prefill (``length`` tokens per sequence) declined, counted
         assert counts["fused"] - before[layer]["fused"] == NEW - 1, (layer, before[layer], counts)
         declined = {r: n - before[layer]["declined"].get(r, 0) for r, n in counts["declined"].items()}
-        assert sum(declined.values()) == 1 and f" is {PROMPT}, traced with 1" in next(r for r, n in declined.items() if n), declined
+        assert sum(declined.values()) == 1 and f" is {length}, traced with 1" in next(r for r, n in declined.items() if n), declined
     assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
 
 
