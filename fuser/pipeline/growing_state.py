@@ -13,7 +13,10 @@ the layer is fused around them; the inputs that reach no kernel then (the attent
 (:mod:`fuser.install.free_sizes`), and the fused layer serves every step.
 
 A cache is taken to grow when it is transformers' ``DynamicCache`` (or a subclass of it); its
-length is dim -2 of what its ``update`` returns.
+length is dim -2 of what its ``update`` returns, or what its ``get_seq_length`` and
+``get_mask_sizes`` return: in the model's forward above the layers, which makes the causal mask
+at the cache's length from the padding mask, that glue stays eager too, and the padding mask
+(which grows by a key a step) takes any length.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def at_growing_length(traced: Traced, fusible, leaf) -> dict[fx.Node, str]:
             keys = value[0] if isinstance(value, (tuple, list)) and value else None
             if isinstance(keys, torch.Tensor) and keys.dim() >= 2 and keys.shape[-2] > 1:
                 lengths |= {keys.shape[-2] - 1, keys.shape[-2], keys.shape[-2] + 1}
+        elif node.op == "call_method" and node.target in _LENGTH_GETTERS and node.args and node.args[0] in growing:
+            lengths |= {v + d for v in _ints(traced.value(node)) if v > 1 for d in (-1, 0, 1)}
     if not lengths:
         return {}
     fed, reached, held = fed_by_state(traced), set(), {}
@@ -64,6 +69,20 @@ def at_growing_length(traced: Traced, fusible, leaf) -> dict[fx.Node, str]:
         if fusible(node):
             held[node] = REASON
     return held
+
+
+#: The cache's methods that return its length (or the mask's, one more): the model's forward
+#: above the layers makes its causal mask at that length.
+_LENGTH_GETTERS = ("get_seq_length", "get_mask_sizes")
+
+
+def _ints(value) -> list[int]:
+    """The ints of ``value`` (an int, or a tuple of them)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)] if isinstance(value, (tuple, list)) else []
 
 
 def _tensors(value) -> bool:

@@ -39,7 +39,8 @@ def generate(model, ids, mask, cache: str, new: int = NEW):
 
 
 def layer_calls(model) -> dict[str, dict]:
-    return {name: counts for name, counts in fuser.stats(model).items() if ".layers." in name}
+    """fuser.stats of the decoder layers (``model.layers.i``, GPT-J's and Falcon's ``transformer.h.i``)."""
+    return {name: counts for name, counts in fuser.stats(model).items() if ".layers." in name or ".h." in name}
 
 
 def fuser_warnings(caught) -> list[str]:
@@ -64,24 +65,30 @@ CASES = [
 ]
 
 
-#: bf16, a padding mask and a dynamic cache: the additive mask is a kernel (in fp32 its one op stays
-#: PyTorch's), and its key length grows each step (fuser.install.any_size). A prompt of LONG_PROMPT
-#: keeps the key lengths clear of the tiny dims' literals (a MoE router's histc max of 7, say),
-#: next to which the mask's length would be held until a later decode call fuses again.
+#: A prompt of LONG_PROMPT keeps the key lengths of its decode steps clear of the tiny dims'
+#: literals (a MoE router's histc max of 7, say), next to which a padding mask's length would be
+#: held until a later decode call fuses again (fuser.model.lazy_model).
 LONG_PROMPT = 21
-BF16_CASES = [
-    ("llama", "dynamic", 2),
-    ("qwen3_moe", "dynamic", 2),
-    ("gemma2", "dynamic", 2),
+LONG_CASES = [
+    # bf16, a padding mask and a dynamic cache: the additive mask is a kernel (in fp32 its one op
+    # stays PyTorch's), and its key length grows each step (fuser.install.any_size)
+    ("llama", "dynamic", 2, torch.bfloat16),
+    ("qwen3_moe", "dynamic", 2, torch.bfloat16),
+    ("gemma2", "dynamic", 2, torch.bfloat16),
+    # the model's forward makes the causal mask at the dynamic cache's length from the padding
+    # mask, which grows a key a step: that glue stays eager, the rest of it fused (no decline)
+    ("gptj", "dynamic", 2, torch.float32),
+    ("falcon", "dynamic", 2, torch.float32),
+    ("deepseek_v4", "dynamic", 2, torch.float32),
 ]
-ALL_CASES = [(*case, torch.float32) for case in CASES] + [(*case, torch.bfloat16) for case in BF16_CASES]
+ALL_CASES = [(*case, torch.float32, PROMPT) for case in CASES] + [(*case, LONG_PROMPT) for case in LONG_CASES]
 
 
-@pytest.mark.parametrize("name,cache,batch,dtype", ALL_CASES,
-                         ids=[f"{n}-{c}-batch{b}{'-bf16' if d == torch.bfloat16 else ''}" for n, c, b, d in ALL_CASES])  # fmt: skip
-def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch, dtype):
+@pytest.mark.parametrize("name,cache,batch,dtype,length", ALL_CASES,
+                         ids=[f"{n}-{c}-batch{b}{'-bf16' if d == torch.bfloat16 else ''}{'-long' if p == LONG_PROMPT else ''}"
+                              for n, c, b, d, p in ALL_CASES])  # fmt: skip
+def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch, dtype, length):
     model = causal_lm(name, layers=2).to(dtype)
-    length = LONG_PROMPT if dtype == torch.bfloat16 else PROMPT
     ids, mask = prompt(batch, length)
     eager = generate(model, ids, mask, cache)
 
@@ -94,7 +101,7 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch, 
         assert report.groups[0].handed_to == 1, report.text()
     assert torch.equal(first, eager)
 
-    before = layer_calls(model)
+    before, everything_before = layer_calls(model), fuser.stats(model)
     assert len(before) == 2, before
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -106,6 +113,9 @@ def test_generate_takes_the_fused_path_at_every_decode_step(name, cache, batch, 
         assert counts["fused"] - before[layer]["fused"] == NEW - 1, (layer, before[layer], counts)
         declined = {r: n - before[layer]["declined"].get(r, 0) for r, n in counts["declined"].items()}
         assert sum(declined.values()) == 1 and f" is {length}, traced with 1" in next(r for r, n in declined.items() if n), declined
+    for module, counts in fuser.stats(model).items():  # the rest of the model's fused modules: no decode step declined
+        declined = {r: n - everything_before[module]["declined"].get(r, 0) for r, n in counts["declined"].items()}
+        assert all(f" is {length}, traced with 1" in r for r, n in declined.items() if n), (module, declined)
     assert fuser_warnings(caught) == [], "a prefill is declined by design, without a warning"
 
 
