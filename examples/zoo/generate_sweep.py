@@ -1,11 +1,12 @@
 """What ``model.generate()`` does after ``fuser.apply(model)`` on each transformers CausalLM the zoo
 builds (``examples/zoo/layers.py``: its models and the ``UNSEEN`` ones): two decoder layers at
-tiny dims, fp32 (greedy tokens compare exactly), generate's own dynamic cache, batch 2 with left
-padding, as a user would call it with no example. One line a model: whether its tokens are
+tiny dims, fp32 (greedy tokens compare exactly; ``--dtype bfloat16`` as models are served),
+generate's own dynamic cache, batch 2 with left padding, as a user would call it with no
+example. One line a model: whether its tokens are
 eager's, how many decode steps each layer ran fused (a generate of NEW tokens makes NEW - 1),
 the calls declined other than the prefill, and any warning fuser gave.
 
-    TRITON_INTERPRET=1 PYTHONPATH=. python examples/zoo/generate_sweep.py [MODEL ...] [--out FILE]
+    TRITON_INTERPRET=1 PYTHONPATH=. python examples/zoo/generate_sweep.py [MODEL ...] [--dtype bfloat16] [--out FILE]
 
 A model transformers cannot build or generate with at these dims is listed with the reason,
 not counted as fuser's failure.
@@ -47,10 +48,15 @@ def layer_calls(model, report) -> dict[str, dict]:
     return {name: counts for name, counts in fuser.stats(model).items() if name in layers}
 
 
-def swept(name: str) -> str:
+def swept(name: str, dtype: torch.dtype = torch.float32) -> str:
     """The model's line."""
     try:
-        model = zoo.causal_lm(name, 2, vocab_size=128)
+        try:
+            model = zoo.causal_lm(name, 2, vocab_size=128).to(dtype)
+        except ValueError as e:  # a model transformers gives no sdpa: its eager attention
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = zoo.causal_lm(name, 2, vocab_size=128, _attn_implementation="eager").to(dtype)
         ids, mask = prompt()
         eager = generate(model, ids, mask)
     except Exception as e:  # noqa: BLE001 - not buildable this way: listed, not fuser's failure
@@ -81,12 +87,13 @@ def swept(name: str) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*", default=list(zoo.MODELS) + list(zoo.UNSEEN))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
     lines = ["| model | tokens | decode steps fused a layer | else | fuser's warnings |", "|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in args.models:
-        lines.append(swept(name))
+        lines.append(swept(name, getattr(torch, args.dtype)))
         print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

@@ -34,7 +34,7 @@ import torch.nn as nn
 from fuser.install import once_per_forward as memo
 from fuser.install.splice import STATE_ATTR
 from fuser.pipeline.fuse_module import Plan
-from fuser.pipeline.next_layer_entry import NEXT, Entry, HandOver, entries_of, hidden_output
+from fuser.pipeline.next_layer_entry import NEXT, Entry, HandOver, computing_kernels, entries_of, hidden_output
 from fuser.validate.against_eager import INTERPRETER_LOCK
 from fuser.validate.tolerance import LAYER, mismatch
 
@@ -142,7 +142,7 @@ def hand_to_final_norm(last: nn.Module, layer_plan: Plan, owner: nn.Module, name
     object.__setattr__(last, NEXT, FinalNorm(owner, name, paths))
     state = module.__dict__[STATE_ATTR]
     state.fused = TakesHandOver(state.fused, hand, sources)
-    return _makers(layer_plan, hand)
+    return computing_kernels(layer_plan.kernels, layer_plan.traced.graph, hand) or ["PyTorch"]
 
 
 class NotHanded(ValueError):
@@ -189,9 +189,3 @@ def _sources(layer_entry: Entry, layer_inputs: list[str], layer_graph: fx.Graph,
         else:
             raise NotHanded(f"its input {other.name} is not where the layers' entry kernel reads {name}")
     return tuple(sources), paths
-
-
-def _makers(p: Plan, hand: HandOver) -> list[str]:
-    node = next(n for n in p.traced.graph.nodes if n.target is hand)
-    outputs = set(node.args[len(hand.entry.inputs):])
-    return [k.path.stem for k in p.kernels if k.path and outputs & set(k.region.outputs)] or ["PyTorch"]

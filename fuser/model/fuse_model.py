@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from fuser.pipeline.fuse_module import FuserError, Plan, plan, tensors_of
-from fuser.pipeline.next_layer_entry import NEXT, NextLayer, entries_of
+from fuser.pipeline.next_layer_entry import NEXT, NextLayer, computing_kernels, entries_of
 from fuser.model.final_norm import NotHanded, called_on_output, hand_to_final_norm
 from fuser.pipeline.pass_list import switched_off
 from fuser.regions.lone_ops import gave_a_kernel
@@ -352,9 +352,7 @@ def _across_layers(p: Plan, group, call, options, following: dict) -> Plan:
 
 def _handed_line(hand, p: Plan) -> str:
     """"<entry kernel> of the next layer: computed by <kernel>" for a report."""
-    node = next(n for n in p.traced.graph.nodes if n.target is hand)
-    outputs = set(node.args[len(hand.entry.inputs):])
-    makers = [k.path.stem for k in p.kernels if k.path and outputs & set(k.region.outputs)]
+    makers = computing_kernels(p.kernels, p.traced.graph, hand)
     return f"{hand.entry.kernel} ({', '.join(hand.entry.outputs)}) of the next layer: computed by {', '.join(makers) or 'PyTorch'}"
 
 

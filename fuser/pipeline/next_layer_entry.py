@@ -177,6 +177,13 @@ class HandOver:
         return None
 
 
+def computing_kernels(kernels, graph: fx.Graph, hand: HandOver) -> list[str]:
+    """The names of the kernels (of a plan over ``graph``) that compute what ``hand`` hands over."""
+    node = next(n for n in graph.nodes if n.target is hand)
+    outputs = set(node.args[len(hand.entry.inputs):])
+    return [k.path.stem for k in kernels if k.path and outputs & set(k.region.outputs)]
+
+
 def add_next_entries(traced: Traced, entries: list[Entry], module: nn.Module) -> list[HandOver]:
     """After the layer's output, each entry's nodes again, reading the output for the hidden
     states and ``module.<NEXT>``'s parameters for the layer's own; each followed by its
