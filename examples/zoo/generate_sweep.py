@@ -1,12 +1,12 @@
 """What ``model.generate()`` does after ``fuser.apply(model)`` on each transformers CausalLM the zoo
 builds (``examples/zoo/layers.py``: its models and the ``UNSEEN`` ones): two decoder layers at
 tiny dims, fp32 (greedy tokens compare exactly; ``--dtype bfloat16`` as models are served),
-generate's own dynamic cache, batch 2 with left padding, as a user would call it with no
-example. One line a model: whether its tokens are
+generate's own dynamic cache (``--cache static``: a static one), batch 2 with left padding, as
+a user would call it with no example. One line a model: whether its tokens are
 eager's, how many decode steps each layer ran fused (a generate of NEW tokens makes NEW - 1),
 the calls declined other than the prefill, and any warning fuser gave.
 
-    TRITON_INTERPRET=1 PYTHONPATH=. python examples/zoo/generate_sweep.py [MODEL ...] [--dtype bfloat16] [--out FILE]
+    TRITON_INTERPRET=1 PYTHONPATH=. python examples/zoo/generate_sweep.py [MODEL ...] [--dtype bfloat16] [--cache static] [--out FILE]
 
 A model transformers cannot build or generate with at these dims is listed with the reason,
 not counted as fuser's failure.
@@ -37,9 +37,12 @@ def prompt():
     return ids, mask
 
 
-def generate(model, ids, mask):
+def generate(model, ids, mask, cache: str = "dynamic"):
+    """Greedy; a static cache without transformers' own compile of its step."""
+    kwargs = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                              **kwargs)  # fmt: skip
 
 
 def layer_calls(model, report) -> dict[str, dict]:
@@ -48,7 +51,7 @@ def layer_calls(model, report) -> dict[str, dict]:
     return {name: counts for name, counts in fuser.stats(model).items() if name in layers}
 
 
-def swept(name: str, dtype: torch.dtype = torch.float32) -> str:
+def swept(name: str, dtype: torch.dtype = torch.float32, cache: str = "dynamic") -> str:
     """The model's line."""
     try:
         try:
@@ -58,16 +61,16 @@ def swept(name: str, dtype: torch.dtype = torch.float32) -> str:
                 raise
             model = zoo.causal_lm(name, 2, vocab_size=128, _attn_implementation="eager").to(dtype)
         ids, mask = prompt()
-        eager = generate(model, ids, mask)
+        eager = generate(model, ids, mask, cache)
     except Exception as e:  # noqa: BLE001 - not buildable this way: listed, not fuser's failure
         return f"| {name} | not built: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             report = fuser.apply(model)
-            first = generate(model, ids, mask)  # fuses at its first decode step
+            first = generate(model, ids, mask, cache)  # fuses at its first decode step
             before = layer_calls(model, report)
-            again = generate(model, ids, mask)
+            again = generate(model, ids, mask, cache)
         except Exception as e:  # noqa: BLE001 - fuser's failure: the finding
             return f"| {name} | **error**: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | |"
     after = layer_calls(model, report)
@@ -88,12 +91,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*", default=list(zoo.MODELS) + list(zoo.UNSEEN))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"])
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
     lines = ["| model | tokens | decode steps fused a layer | else | fuser's warnings |", "|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in args.models:
-        lines.append(swept(name, getattr(torch, args.dtype)))
+        lines.append(swept(name, getattr(torch, args.dtype), args.cache))
         print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
