@@ -165,8 +165,8 @@ def _whole_entry(p: Plan) -> Entry:
     out = hidden_output(p.traced)
     if len(entry.outputs) != 1 or out is None or out.name != entry.outputs[0]:
         raise NotHanded("it returns more than its kernel's one output")
-    inputs = {n.name for n in p.traced.graph.nodes if n.op in ("placeholder", "get_attr", "output")}
-    others = [n.name for n in p.traced.graph.nodes if n.name not in inputs and n.name not in entry.nodes]
+    computed = [n.name for n in p.traced.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    others = [name for name in computed if name not in entry.nodes]
     if others:
         raise NotHanded(f"its forward computes more than its kernel: {', '.join(others)}")
     return entry

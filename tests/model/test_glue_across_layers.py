@@ -231,14 +231,10 @@ def test_a_kernel_whose_input_is_another_tensor_is_no_entry():
 
 
 
-@pytest.mark.gpu
-def test_on_the_gpu_a_captured_forward_replays_the_hand_overs():
-    """The hand-over is Python-side: captured once in a CUDA graph, the replays read the kernel
-    outputs the capture handed over, on new inputs copied into the graph's input buffer."""
-    model = Stack().cuda().to(torch.bfloat16)
-    static = x_of(0, tokens=8).cuda().to(torch.bfloat16)
-    report = fuser.apply(model, (static.clone(),))
-    assert report.groups[0].handed_to == LAYERS - 1, report.text()
+def assert_replays_as_eager(model, static, reference) -> None:
+    """``model``'s forward on ``static`` (a CUDA tensor), warmed up on a side stream, captured in a
+    CUDA graph and replayed on new inputs copied into ``static``: each replay's output is
+    ``reference(model, x)``'s, within the layer tolerance."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -252,7 +248,18 @@ def test_on_the_gpu_a_captured_forward_replays_the_hand_overs():
         static.copy_(x_of(seed, tokens=8).to(static))
         graph.replay()
         torch.cuda.synchronize()
-        assert mismatch(out, eager(model, static.clone()), "replayed output", LAYER) is None
+        assert mismatch(out, reference(model, static.clone()), "replayed output", LAYER) is None
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_captured_forward_replays_the_hand_overs():
+    """The hand-over is Python-side: captured once in a CUDA graph, the replays read the kernel
+    outputs the capture handed over, on new inputs copied into the graph's input buffer."""
+    model = Stack().cuda().to(torch.bfloat16)
+    static = x_of(0, tokens=8).cuda().to(torch.bfloat16)
+    report = fuser.apply(model, (static.clone(),))
+    assert report.groups[0].handed_to == LAYERS - 1, report.text()
+    assert_replays_as_eager(model, static, eager)
 
 
 @fuser.opaque
@@ -397,17 +404,4 @@ def test_on_the_gpu_a_captured_forward_replays_the_final_norm_the_last_layer_com
     static = x_of(0, tokens=8).cuda().to(torch.bfloat16)
     report = fuser.apply(model, (static.clone(),))
     assert list(report.handed_over) == ["norm"], report.text()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model(static.clone())
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = model(static)
-    for seed in (1, 2):
-        static.copy_(x_of(seed, tokens=8).to(static))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert mismatch(out, eager_normed(model, static.clone()), "replayed output", LAYER) is None
+    assert_replays_as_eager(model, static, eager_normed)
