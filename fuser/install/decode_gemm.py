@@ -2,12 +2,23 @@
 where a table measured offline on this GPU says it is faster than PyTorch's (cuBLAS).
 
 At one to sixteen tokens a linear layer is a GEMV: it reads its weight once, and its time is
-that read plus the launch. The kernel gives each program ``block_n`` output columns and walks
-the whole reduction (its width a constant of the kernel: one binary per weight shape): ``block_n`` rows of the weight, read once, against every token row (one
-row: products summed on the CUDA cores; up to 16: one ``tl.dot`` a step, the rows padded to 16,
-in tf32, in which bf16 and fp16 values are exact),
-accumulated in fp32 and rounded once, as cuBLAS does. Where a residual is given the sum is
-added before that rounding (the residual add's epilogue: :mod:`fuser.pipeline.residual_in_gemm`).
+that read plus the launch. The kernel gives each program ``block_n`` output columns (as few as
+four, so that a weight of 2048 rows runs 512 programs and every SM streams several) and walks
+the reduction in chunks of ``block_k`` (up to the whole of it; its width a constant of the kernel:
+one binary per weight shape): each chunk of the weight is read once, multiplied against every
+token row and summed on the CUDA cores, accumulated in fp32 and rounded once, as cuBLAS does (no
+``tl.dot``: no tf32 rounding of fp32 values, no rows padded to 16). At more rows the chunk is
+narrowed so that a step's products stay as many as at one row (``block_k`` ÷ rows). Where a
+residual is given the sum is added before that rounding (the residual add's epilogue:
+:mod:`fuser.pipeline.residual_in_gemm`).
+
+Launched with programmatic dependent launch (``Config.pdl``, set by the ``decode_gemm`` pass where
+the ``pdl`` pass is on and the GPU has it) at one token row, as fuser's row programs are
+(:data:`fuser.codegen.emit.PDL_ROWS`): the GPU may launch it while the kernel before it still
+runs; its first instruction waits (``gdc_wait``) until that kernel has finished and its writes
+are visible, so only the launch overlaps, never a read (weights included: one updated in place
+just before is read after the update). It then lets the next kernel launch at once, which
+waits the same way.
 
 The table (``<GPU>-decode_gemm.json``, written by ``fuser tune --decode-gemm``,
 :mod:`fuser.tools.tune_decode_gemm`; ``$FUSER_DECODE_GEMM_TABLE`` names one file to read instead,
@@ -28,8 +39,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fuser.codegen.emit import forbid_compile_during_capture
+from fuser.codegen.emit import PDL_ROWS, forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
 from fuser.ir.device_tables import current_gpu, table_entries, table_file
 
@@ -45,33 +57,43 @@ MAX_ROWS = 16
 class Config:
     """How the kernel is launched for one weight shape, and up to how many rows it is used."""
 
-    block_n: int
-    block_k: int
+    block_n: int  # output columns a program
+    block_k: int  # the reduction's chunk at one row (narrowed at more)
     warps: int
     up_to: int
+    pdl: bool = False  # launched with programmatic dependent launch at one row (not in the table: the pass's)
 
 
 @triton.jit
 def _decode_gemm(
     x_ptr, w_ptr, r_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
+        gdc_launch_dependents()  # the next kernel may launch now; it waits the same way
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+        x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_at)
+        else:
+            w = tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        if EVEN_K:
+            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_at, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         w, x = w.to(tl.float32), x.to(tl.float32)
         if BLOCK_M == 1:
             acc += tl.expand_dims(tl.sum(w * x, axis=1), 0)
-        elif IEEE:  # fp32 values: tf32 would round them
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:  # bf16 and fp16 values are exact in tf32
-            acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out = rows[:, None] * stride_ym + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if ACCUMULATE:
@@ -91,6 +113,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor, config: Config | None) -> bool:
     return 0 < rows <= config.up_to and x.shape[-1] == weight.shape[1] and x.device == weight.device
 
 
+def chunk(config: Config, block_m: int, k: int) -> int:
+    """The reduction's chunk at ``block_m`` rows: ``block_k`` at one row, narrowed as the rows grow
+    (as many products a step), never wider than the reduction."""
+    return max(16, min(config.block_k // block_m, triton.next_power_of_2(k)))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (plus ``residual``, of the output's shape, where given): by the
     kernel where :func:`takes` says so, by PyTorch otherwise."""
@@ -104,10 +132,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residua
     rows = flat.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     r = residual.reshape(rows, n) if residual is not None else out
+    block_m = triton.next_power_of_2(rows)
+    block_k = chunk(config, block_m, k)
+    pdl = config.pdl and rows <= PDL_ROWS
     _launch[(triton.cdiv(n, config.block_n),)](
         flat, weight, r, out, rows, n, flat.stride(0), weight.stride(0), r.stride(0), out.stride(0),
-        K=k, BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ACCUMULATE=residual is not None, IEEE=x.dtype == torch.float32, num_warps=config.warps,
+        K=k, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
+        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, PDL=pdl, num_warps=config.warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -146,11 +177,15 @@ def _read(path: str, mtime_ns: int) -> dict:
                 f'{where}: entry {i} needs "n", "k", "dtype", "up_to" and a "config" of "block_n", "block_k" and '
                 f'"warps"; has {entry!r} ({type(e).__name__}: {e})'
             ) from None
-        if config.block_n < 16 or config.block_k < 16 or config.warps < 1:
-            raise DecodeGemmTableError(f"{where}: entry {i}: block_n and block_k of 16 or more (tl.dot's least), warps 1 or more; has {c!r}")
+        if not (_power_of_2(config.block_n) and _power_of_2(config.block_k) and config.block_k >= 16 and config.warps >= 1):
+            raise DecodeGemmTableError(f"{where}: entry {i}: block_n and block_k powers of 2, block_k 16 or more, warps 1 or more; has {c!r}")
         if config.up_to > 0:
             found[key] = Config(config.block_n, config.block_k, config.warps, min(config.up_to, MAX_ROWS))
     return found
+
+
+def _power_of_2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,6 +11,7 @@ CPU) nothing changes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -36,9 +37,11 @@ def accumulate_with(config: Config):
     return accumulate_by_kernel
 
 
-def decode_gemms(graph: fx.Graph, module: nn.Module, merged: MergedWeights | None) -> tuple[list[tuple[str, str]], list[str]]:
-    """Rewrite each GEMM of ``graph`` the table holds (in place); returns (what, the shape and the
+def decode_gemms(graph: fx.Graph, module: nn.Module, merged: MergedWeights | None, pdl: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+    """Rewrite each GEMM of ``graph`` the table holds (in place), its kernel launched with
+    programmatic dependent launch at one row where ``pdl``; returns (what, the shape and the
     token counts) per GEMM rewritten, and the linear layers no longer called as modules."""
+    _config = functools.partial(_config_of, pdl=pdl)
     widths = {g.weight: sum(module.get_submodule(layer).weight.shape[0] for layer in g.layers) for g in (merged.groups if merged else ())}
     firsts = {g.weight: module.get_submodule(g.layers[0]).weight for g in (merged.groups if merged else ())}
     done, uncalled = [], []
@@ -77,11 +80,13 @@ def _merged_gemm(node: fx.Node, widths: dict) -> bool:
     return isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target in widths and bias is None and not node.kwargs
 
 
-def _config(n: int, k: int, weight: torch.Tensor) -> Config | None:
+def _config_of(n: int, k: int, weight: torch.Tensor, pdl: bool) -> Config | None:
     if weight.device.type == "meta":
         return None
-    return decode_gemm.config_for(n, k, weight.dtype)
+    config = decode_gemm.config_for(n, k, weight.dtype)
+    return None if config is None else dataclasses.replace(config, pdl=pdl)
 
 
 def _said(n: int, k: int, dtype: torch.dtype, config: Config) -> str:
-    return f"{n}×{k} {str(dtype).removeprefix('torch.')}: fuser's kernel up to {config.up_to} tokens"
+    pdl = ", launched with PDL at 1" if config.pdl else ""
+    return f"{n}×{k} {str(dtype).removeprefix('torch.')}: fuser's kernel up to {config.up_to} tokens{pdl}"

@@ -256,7 +256,8 @@ def residual_adds_in_gemm(f: Fusing) -> None:
 
 
 def decode_gemm_kernels(f: Fusing) -> None:
-    f.decode_gemms, f.uncalled = decode_gemms(f.graph, f.module, f.merged)
+    pdl = "pdl" not in f.off and passes.has_pdl(f.traced)
+    f.decode_gemms, f.uncalled = decode_gemms(f.graph, f.module, f.merged, pdl)
 
 
 def compiled_forward(f: Fusing) -> None:

@@ -250,13 +250,13 @@ def launch_pdl(p: Planning) -> Planning:
     (``gdc_launch_dependents``), which waits the same way; a kernel launched without PDL (a
     cuBLAS GEMM) waits for it as a stream always does. Inside a CUDA graph the dependency is an
     edge of the graph."""
-    if not _has_pdl(p.traced):
+    if not has_pdl(p.traced):
         return p
     p.kernels = [_with_pdl(kernel) for kernel in p.kernels]
     return p
 
 
-def _has_pdl(traced: Traced) -> bool:
+def has_pdl(traced: Traced) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:  # NVIDIA's griddepcontrol only
         return False
     devices = {v.device for v in traced.example_inputs if isinstance(v, torch.Tensor) and v.device.type == "cuda"}

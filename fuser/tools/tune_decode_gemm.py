@@ -30,7 +30,12 @@ STANDARD_SHAPES = (
     (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),  # Llama-3.2-1B: qkv, o, gate+up, down, head
     (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),  # Qwen3-8B
 )  # fmt: skip
-CONFIGS = tuple(Config(bn, bk, warps, decode_gemm.MAX_ROWS) for bn in (16, 32, 64) for bk in (128, 256) for warps in (4, 8))
+#: (block_n, block_k, warps): few output columns a program over wide chunks of the reduction win at
+#: one row on an H100 (benchmarks/probe_pdl_gemv.py: 4 or 8 columns, chunks of 1024 or 2048)
+CONFIGS = tuple(
+    Config(bn, bk, warps, decode_gemm.MAX_ROWS)
+    for bn, bk, warps in ((4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 8), (32, 512, 8))
+)
 DECODE_TOKENS = (1, 2, 4, 8, 16)
 #: A configuration whose output differs from ``F.linear``'s by more than this (relative to the
 #: output's largest magnitude) is wrong, not slow.

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fuser.install import decode_gemm
-from fuser.install.decode_gemm import Config, DecodeGemmTableError, config_for, linear, takes
+from fuser.install.decode_gemm import Config, DecodeGemmTableError, chunk, config_for, linear, takes
 
 # atol, rtol: fp32 accumulation in another order, then one rounding to the dtype
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}
@@ -30,12 +30,29 @@ def test_the_kernel_is_the_linear_layer(dtype, n, k, rows, residual):
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     r = torch.randn(rows, n, generator=g).to(dtype) if residual else None
-    config = Config(block_n=32, block_k=64, warps=4, up_to=16)
-    assert takes(x, w, config)
-    got = linear(x, w, config, r)
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(got, reference(x, w, r), atol=atol, rtol=rtol)
-    assert got.dtype == dtype and got.shape == (rows, n)
+    for config in (Config(block_n=32, block_k=64, warps=4, up_to=16), Config(block_n=4, block_k=512, warps=4, up_to=16)):
+        assert takes(x, w, config)
+        got = linear(x, w, config, r)
+        torch.testing.assert_close(got, reference(x, w, r), atol=atol, rtol=rtol)
+        assert got.dtype == dtype and got.shape == (rows, n)
+
+
+def test_the_chunk_narrows_with_the_rows_and_the_reduction():
+    config = Config(block_n=4, block_k=2048, warps=4, up_to=16)
+    assert [chunk(config, m, 8192) for m in (1, 2, 8, 16)] == [2048, 1024, 256, 128]
+    assert chunk(config, 1, 100) == 128  # never wider than the reduction (a power of 2)
+    assert chunk(Config(4, 32, 4, 16), 16, 8192) == 16  # never below 16
+
+
+def test_pdl_is_asked_for_at_one_row_only(monkeypatch):
+    launches = []
+    monkeypatch.setattr(decode_gemm, "_launch", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launches.append(k)})())
+    w = torch.randn(16, 32)
+    for config in (Config(16, 16, 2, 16, pdl=True), Config(16, 16, 2, 16)):
+        for rows in (1, 2):
+            linear(torch.randn(rows, 32), w, config)
+    assert [(k["PDL"], k["launch_pdl"]) for k in launches] == [(True, True), (False, False), (False, False), (False, False)]
 
 
 def test_leading_dims_and_a_strided_input_are_taken():
@@ -81,7 +98,8 @@ def test_the_table_gives_a_config_per_shape_and_dtype(tmp_path, monkeypatch):
     [
         ({"entries": 3}, "no \"entries\" list"),
         ([dict(ENTRY, config=dict(block_n=32))], "entry 0 needs"),
-        ([dict(ENTRY, config=dict(block_n=8, block_k=128, warps=4))], "block_n and block_k of 16 or more"),
+        ([dict(ENTRY, config=dict(block_n=12, block_k=128, warps=4))], "block_n and block_k powers of 2"),
+        ([dict(ENTRY, config=dict(block_n=8, block_k=8, warps=4))], "block_k 16 or more"),
     ],
 )
 def test_a_bad_table_is_named_with_what_is_wrong(tmp_path, monkeypatch, entries, says):
@@ -110,7 +128,7 @@ def test_compiled_kernel_is_the_linear_layer(dtype, n, k, rows):
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     r = torch.randn(rows, n, device="cuda", generator=g).to(dtype)
     atol, rtol = TOLERANCES[dtype]
-    for config in (Config(16, 128, 4, 16), Config(64, 256, 8, 16)):
+    for config in (Config(16, 128, 4, 16), Config(64, 256, 8, 16), Config(4, 2048, 4, 16, pdl=True), Config(8, 1024, 8, 16, pdl=True)):
         for _ in range(2):  # Triton's dispatch, then the binary's own launcher
             torch.testing.assert_close(linear(x, w, config), reference(x, w), atol=atol, rtol=rtol)
             torch.testing.assert_close(linear(x, w, config, r), reference(x, w, r), atol=atol, rtol=rtol)

@@ -3,6 +3,7 @@ layers' GEMMs (merged projections, and the one that adds the residual) run on fu
 GEMM kernel, and greedy decode gives eager's logits; without a table nothing changes."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import fuser
 from fuser.install import decode_gemm
 from fuser.install.splice import STATE_ATTR
+from fuser.pipeline import passes
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import PROMPT, greedy, prefilled, step
 from tests.model.test_model import causal_lm
@@ -77,3 +79,21 @@ def test_without_a_table_or_with_none_faster_nothing_changes(tmp_path, monkeypat
     monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0]), up_to=0))
     second = fuser.apply(copy.deepcopy(model), (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
     assert second.groups[0].report.decode_gemms == []
+
+
+@pytest.mark.parametrize("off", [(), ("pdl",)], ids=["pdl", "pdl off"])
+def test_the_kernel_is_launched_with_pdl_where_the_pdl_pass_is_on_and_the_gpu_has_it(tmp_path, monkeypatch, off):
+    model = causal_lm("llama", layers=1)
+    cache, tokens = prefilled(model)
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0])))
+    monkeypatch.setattr(passes, "has_pdl", lambda traced: True)  # as on an H100: the interpreter has no PDL
+    configs = []
+    real = decode_gemm.linear
+    monkeypatch.setattr(decode_gemm, "linear", lambda x, w, config, *a: configs.append(config) or real(x, w, dataclasses.replace(config, pdl=False), *a))
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)), disable_passes=off)
+    configs.clear()
+    greedy(model, copy.deepcopy(cache), tokens)
+    assert len(configs) >= 4 and {c.pdl for c in configs} == {not off}
+    said = report.groups[0].report.decode_gemms
+    assert all(("launched with PDL at 1" in s) == (not off) for s in said), said
