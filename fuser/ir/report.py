@@ -62,6 +62,7 @@ class Report:
     upcasts_in_gemm: list[str] = field(default_factory=list)  # matmuls of fp32 casts run as half GEMMs with an fp32 output
     upcasts_apart: dict[str, str] = field(default_factory=dict)  # matmuls of fp32 casts left as they are -> why
     decode_gemms: list[str] = field(default_factory=list)  # GEMMs on fuser's decode GEMM kernel (fuser.install.decode_gemm)
+    decode_gemms_untimed: list[str] = field(default_factory=list)  # GEMM shapes on the GPU the decode-GEMM table lacks
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -147,6 +148,12 @@ class Report:
         if self.decode_gemms:
             lines += ["", "GEMMs on fuser's decode GEMM kernel (this GPU's decode-GEMM table; PyTorch's at more tokens):"]
             lines += [f"  {line}" for line in self.decode_gemms]
+        if self.decode_gemms_untimed:
+            shapes = ",".join(s.split()[0] for s in self.decode_gemms_untimed)
+            dtypes = ",".join(sorted({s.split()[1] for s in self.decode_gemms_untimed}))
+            lines += ["", f"GEMMs left to PyTorch's at every size, their shapes not in this GPU's decode-GEMM table: "
+                          f"{', '.join(self.decode_gemms_untimed)} (`fuser tune --decode-gemm --shapes {shapes} --dtypes {dtypes}` "
+                          "times fuser's kernel against PyTorch's for them on this GPU)"]
         if self.literals:
             values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
             lines += ["", f"module attributes fused in as literals (a change runs eager): {values}"]

@@ -37,40 +37,48 @@ def accumulate_with(config: Config):
     return accumulate_by_kernel
 
 
-def decode_gemms(graph: fx.Graph, module: nn.Module, merged: MergedWeights | None, pdl: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+def decode_gemms(graph: fx.Graph, module: nn.Module, merged: MergedWeights | None, pdl: bool = False) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """Rewrite each GEMM of ``graph`` the table holds (in place), its kernel launched with
     programmatic dependent launch at one row where ``pdl``; returns (what, the shape and the
-    token counts) per GEMM rewritten, and the linear layers no longer called as modules."""
-    _config = functools.partial(_config_of, pdl=pdl)
+    token counts) per GEMM rewritten, the linear layers no longer called as modules, and the
+    shapes (``NxK dtype``) of the GEMMs on a CUDA GPU the table does not hold."""
     widths = {g.weight: sum(module.get_submodule(layer).weight.shape[0] for layer in g.layers) for g in (merged.groups if merged else ())}
     firsts = {g.weight: module.get_submodule(g.layers[0]).weight for g in (merged.groups if merged else ())}
-    done, uncalled = [], []
+    done, uncalled, untimed = [], [], []
+
+    def config(n: int, k: int, weight: torch.Tensor) -> Config | None:
+        found = _config(n, k, weight, pdl)
+        shape = f"{n}x{k} {str(weight.dtype).removeprefix('torch.')}"
+        if found is None and on_gpu(weight) and shape not in untimed:
+            untimed.append(shape)
+        return found
+
     for node in list(graph.nodes):
         if node.op == "call_module" and plain_linear(node, module):
             weight = module.get_submodule(node.target).weight
-            config = _config(weight.shape[0], weight.shape[1], weight)
-            if config is not None:
+            found = config(weight.shape[0], weight.shape[1], weight)
+            if found is not None:
                 with graph.inserting_before(node):
                     w = graph.get_attr(f"{node.target}.weight")
-                    call = graph.call_function(decode_gemm.launcher(config), (node.args[0], w))
+                    call = graph.call_function(decode_gemm.launcher(found), (node.args[0], w))
                 node.replace_all_uses_with(call)
                 graph.erase_node(node)
-                done.append((node.target, _said(weight.shape[0], weight.shape[1], weight.dtype, config)))
+                done.append((node.target, _said(weight.shape[0], weight.shape[1], weight.dtype, found)))
                 uncalled.append(node.target)
         elif _merged_gemm(node, widths):
             first = firsts[node.args[1].target]
-            config = _config(widths[node.args[1].target], first.shape[1], first)
-            if config is not None:
-                node.target, node.args = decode_gemm.launcher(config), node.args[:2]
-                done.append((node.name, _said(widths[node.args[1].target], first.shape[1], first.dtype, config)))
+            found = config(widths[node.args[1].target], first.shape[1], first)
+            if found is not None:
+                node.target, node.args = decode_gemm.launcher(found), node.args[:2]
+                done.append((node.name, _said(widths[node.args[1].target], first.shape[1], first.dtype, found)))
         elif node.op == "call_function" and node.target is residual_in_gemm.accumulate:
             weight = module.get_submodule(node.args[2].target.rpartition(".")[0]).weight
-            config = _config(weight.shape[0], weight.shape[1], weight)
-            if config is not None:
-                node.target = accumulate_with(config)
-                done.append((f"{node.args[2].target.rpartition('.')[0]} (adding the residual)", _said(weight.shape[0], weight.shape[1], weight.dtype, config)))
+            found = config(weight.shape[0], weight.shape[1], weight)
+            if found is not None:
+                node.target = accumulate_with(found)
+                done.append((f"{node.args[2].target.rpartition('.')[0]} (adding the residual)", _said(weight.shape[0], weight.shape[1], weight.dtype, found)))
     graph.lint()
-    return done, uncalled
+    return done, uncalled, untimed
 
 
 def _merged_gemm(node: fx.Node, widths: dict) -> bool:
@@ -80,7 +88,12 @@ def _merged_gemm(node: fx.Node, widths: dict) -> bool:
     return isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target in widths and bias is None and not node.kwargs
 
 
-def _config_of(n: int, k: int, weight: torch.Tensor, pdl: bool) -> Config | None:
+def on_gpu(weight: torch.Tensor) -> bool:
+    """Is ``weight`` where a decode-GEMM table could say fuser's kernel is the faster?"""
+    return weight.device.type == "cuda"
+
+
+def _config(n: int, k: int, weight: torch.Tensor, pdl: bool) -> Config | None:
     if weight.device.type == "meta":
         return None
     config = decode_gemm.config_for(n, k, weight.dtype)

@@ -118,6 +118,7 @@ def plan(
     report.upcasts_in_gemm, report.upcasts_apart = list(f.upcasts_in_gemm), dict(f.upcasts_apart)
     report.launches_after += f.casts_back  # a launch each, new in the fused graph
     report.decode_gemms = [f"{what}: {how}" for what, how in f.decode_gemms]
+    report.decode_gemms_untimed = list(f.decode_gemms_untimed)
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None

@@ -87,6 +87,7 @@ class Fusing:
     casts_back: int = 0  # upcast_in_gemm: kernel outputs cast back to half (a launch each)
     decode_gemms: list[tuple[str, str]] = field(default_factory=list)  # decode_gemm: (GEMM, its shape and token counts) rewritten
     uncalled: list[str] = field(default_factory=list)  # decode_gemm: linear layers no longer called as modules
+    decode_gemms_untimed: list[str] = field(default_factory=list)  # decode_gemm: GEMM shapes on a CUDA GPU the table lacks
     forward: Callable | None = None  # compile_forward
 
     @property
@@ -257,7 +258,7 @@ def residual_adds_in_gemm(f: Fusing) -> None:
 
 def decode_gemm_kernels(f: Fusing) -> None:
     pdl = "pdl" not in f.off and passes.has_pdl(f.traced)
-    f.decode_gemms, f.uncalled = decode_gemms(f.graph, f.module, f.merged, pdl)
+    f.decode_gemms, f.uncalled, f.decode_gemms_untimed = decode_gemms(f.graph, f.module, f.merged, pdl)
 
 
 def compiled_forward(f: Fusing) -> None:

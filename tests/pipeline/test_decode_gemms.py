@@ -12,7 +12,7 @@ import torch
 import fuser
 from fuser.install import decode_gemm
 from fuser.install.splice import STATE_ATTR
-from fuser.pipeline import passes
+from fuser.pipeline import decode_gemms, passes
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import PROMPT, greedy, prefilled, step
 from tests.model.test_model import causal_lm
@@ -97,3 +97,23 @@ def test_the_kernel_is_launched_with_pdl_where_the_pdl_pass_is_on_and_the_gpu_ha
     assert len(configs) >= 4 and {c.pdl for c in configs} == {not off}
     said = report.groups[0].report.decode_gemms
     assert all(("launched with PDL at 1" in s) == (not off) for s in said), said
+
+
+def test_the_report_names_the_shapes_the_table_lacks_and_the_command_that_times_them(tmp_path, monkeypatch):
+    model = causal_lm("llama", layers=1)
+    cache, tokens = prefilled(model)
+    layer = model.model.layers[0]
+    held = {(layer.self_attn.o_proj.out_features, layer.self_attn.o_proj.in_features)}
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, held))
+    kwargs = step(tokens, PROMPT, copy.deepcopy(cache))
+    on_cpu = fuser.apply(copy.deepcopy(model), (), example_kwargs=kwargs).groups[0].report
+    assert on_cpu.decode_gemms_untimed == []  # no table is ever for the CPU: nothing to say
+    monkeypatch.setattr(decode_gemms, "on_gpu", lambda weight: True)
+    report = fuser.apply(model, (), example_kwargs=kwargs).groups[0].report
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = f"{attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features}x{attn.q_proj.in_features}"
+    gate_up = f"{mlp.gate_proj.out_features + mlp.up_proj.out_features}x{mlp.gate_proj.in_features}"
+    down = f"{mlp.down_proj.out_features}x{mlp.down_proj.in_features}"
+    assert report.decode_gemms_untimed == [f"{qkv} float32", f"{gate_up} float32", f"{down} float32"]
+    assert [s.split(":")[0] for s in report.decode_gemms] == ["self_attn.o_proj"]
+    assert f"fuser tune --decode-gemm --shapes {qkv},{gate_up},{down} --dtypes float32" in report.text()
