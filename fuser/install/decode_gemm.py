@@ -64,11 +64,35 @@ class Config:
     pdl: bool = False  # launched with programmatic dependent launch at one row (not in the table: the pass's)
 
 
+#: The activations the kernel applies to a gated pair's first half (``GATE``): 0 none.
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K: tl.constexpr, stride_xm, stride_wn,
+               BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """``acc`` plus one chunk of the reduction: weight rows ``cols`` against every token row."""
+    w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+    x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    if EVEN_N and EVEN_K:
+        w = tl.load(w_at)
+    else:
+        w = tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    if EVEN_K:
+        x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_at, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+    w, x = w.to(tl.float32), x.to(tl.float32)
+    if BLOCK_M == 1:
+        return acc + tl.expand_dims(tl.sum(w * x, axis=1), 0)
+    return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
 @triton.jit
 def _decode_gemm(
     x_ptr, w_ptr, r_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
@@ -77,28 +101,26 @@ def _decode_gemm(
     rows = tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_at)
-        else:
-            w = tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-        if EVEN_K:
-            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_at, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-        w, x = w.to(tl.float32), x.to(tl.float32)
-        if BLOCK_M == 1:
-            acc += tl.expand_dims(tl.sum(w * x, axis=1), 0)
-        else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc = _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N, EVEN_K)
+        if GATE:  # the pair's second half: weight rows N + cols
+            up = _dot_chunk(up, x_ptr, w_ptr + N * stride_wn, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N, EVEN_K)
     out = rows[:, None] * stride_ym + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
+    dtype = y_ptr.dtype.element_ty
+    if GATE:  # each rounded where eager rounds it: both halves, the activation, the product
+        gate = acc.to(dtype).to(tl.float32)
+        if GATE == 1:  # silu
+            gate = gate / (1.0 + tl.exp(-gate))
+        else:  # the tanh GELU
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            gate = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+        acc = gate.to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
     if ACCUMULATE:
         acc += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + out, acc.to(dtype), mask=ok)
 
 
 forbid_compile_during_capture(_decode_gemm, Path(__file__))  # warm-ups at each shape compile it first
@@ -125,7 +147,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residua
     if not takes(x, weight, config) or (residual is not None and tuple(residual.shape) != (*x.shape[:-1], weight.shape[0])):
         out = F.linear(x, weight)
         return out if residual is None else residual + out
-    n, k = weight.shape
+    return _run(x, weight, config, weight.shape[0], residual=residual)
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor, config: Config, activation: str) -> torch.Tensor:
+    """``act(a) * b`` of ``a, b = F.linear(x, weight).chunk(2, -1)`` by the kernel, in one launch
+    (``act`` of :data:`ACTIVATIONS`; the caller has asked :func:`takes`)."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"a gated pair's weight has an even number of rows (its two halves); has {tuple(weight.shape)}")
+    return _run(x, weight, config, weight.shape[0] // 2, gate=ACTIVATIONS[activation])
+
+
+def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0) -> torch.Tensor:
+    k = weight.shape[1]
     flat = x.reshape(-1, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -138,7 +172,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residua
     _launch[(triton.cdiv(n, config.block_n),)](
         flat, weight, r, out, rows, n, flat.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         K=k, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
-        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, PDL=pdl, num_warps=config.warps, launch_pdl=pdl,
+        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, num_warps=config.warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -195,4 +229,10 @@ def launcher(config: Config):
     def decode_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, weight, config, residual)
 
+    decode_linear.decode_gemm_config = config
     return decode_linear
+
+
+def config_of(target) -> Config | None:
+    """The configuration of a fused graph's call target made by :func:`launcher`; None for any other."""
+    return getattr(target, "decode_gemm_config", None)

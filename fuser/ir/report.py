@@ -63,6 +63,8 @@ class Report:
     upcasts_apart: dict[str, str] = field(default_factory=dict)  # matmuls of fp32 casts left as they are -> why
     decode_gemms: list[str] = field(default_factory=list)  # GEMMs on fuser's decode GEMM kernel (fuser.install.decode_gemm)
     decode_gemms_untimed: list[str] = field(default_factory=list)  # GEMM shapes on the GPU the decode-GEMM table lacks
+    gated_in_gemm: list[str] = field(default_factory=list)  # gated activations the decode GEMM kernel computes
+    gated_apart: dict[str, str] = field(default_factory=dict)  # gated activations of a merged gate/up pair left apart -> why
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -148,6 +150,12 @@ class Report:
         if self.decode_gemms:
             lines += ["", "GEMMs on fuser's decode GEMM kernel (this GPU's decode-GEMM table; PyTorch's at more tokens):"]
             lines += [f"  {line}" for line in self.decode_gemms]
+        if self.gated_in_gemm:
+            lines += ["", "gated activations computed by the decode GEMM kernel of their merged gate/up projection (no launch for "
+                          "them at the table's sizes): " + ", ".join(self.gated_in_gemm)]
+        if self.gated_apart:
+            lines += ["", "gated activations of a merged gate/up projection left apart from its GEMM:"]
+            lines += [f"  {what}: {why}" for what, why in self.gated_apart.items()]
         if self.decode_gemms_untimed:
             shapes = ",".join(s.split()[0] for s in self.decode_gemms_untimed)
             dtypes = ",".join(sorted({s.split()[1] for s in self.decode_gemms_untimed}))

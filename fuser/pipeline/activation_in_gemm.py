@@ -123,7 +123,7 @@ def activations_in_gemm(graph: fx.Graph, module: nn.Module, traced: Traced, cops
                 apart[what] = why
                 continue
             _rewrite(graph, nodes[node.name], nodes[read.name] if read is not node else None,
-                     _fused_output(m, nodes, survivors, shared), m, nodes, gelu)  # fmt: skip
+                     fused_output(m, nodes, survivors, shared), m, nodes, gelu)  # fmt: skip
             done.append((m.outputs[0].name, pattern.name, name, node.op == "call_module"))
             nodes = {n.name: n for n in graph.nodes}  # (the rewrite erased some)
     graph.lint()
@@ -184,12 +184,12 @@ def _why_not(m, gemm: fx.Node, read: fx.Node, others: set, module: nn.Module, tr
         return f"input, weight and bias of dtypes {sorted(str(d) for d in dtypes)}, not one floating dtype"
     if dtype == torch.float32 and operands[0].device.type == "cuda":
         return "fp32 on CUDA: cuBLAS runs the epilogue of a small fp32 GEMM as a kernel of its own, saving no launch"
-    if _fused_output(m, nodes, survivors, shared) is None:
+    if fused_output(m, nodes, survivors, shared) is None:
         return "its activation shares a kernel with other glue"
     return None
 
 
-def _fused_output(m, nodes: dict, survivors: set, shared: list) -> fx.Node | None:
+def fused_output(m, nodes: dict, survivors: set, shared: list) -> fx.Node | None:
     """The fused graph's node for the activation's output: its own, where all its ops run as
     they are, or the output of the kernel that computes exactly the activation; else None."""
     out = m.outputs[0]

@@ -119,6 +119,7 @@ def plan(
     report.launches_after += f.casts_back  # a launch each, new in the fused graph
     report.decode_gemms = [f"{what}: {how}" for what, how in f.decode_gemms]
     report.decode_gemms_untimed = list(f.decode_gemms_untimed)
+    report.gated_in_gemm, report.gated_apart = list(f.gated_in_gemm), dict(f.gated_apart)
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None

@@ -40,6 +40,7 @@ from fuser.pipeline.merged_projections import merge_projections
 from fuser.pipeline.residual_in_gemm import residuals_in_gemm
 from fuser.pipeline.activation_in_gemm import activations_in_gemm
 from fuser.pipeline.decode_gemms import decode_gemms
+from fuser.pipeline.gated_in_gemm import gated_in_gemm
 from fuser.pipeline.next_layer_entry import add_next_entries
 from fuser.pipeline.upcast_in_gemm import upcasts_in_gemm
 from fuser.pipeline.passes import Planning, planning
@@ -88,6 +89,8 @@ class Fusing:
     decode_gemms: list[tuple[str, str]] = field(default_factory=list)  # decode_gemm: (GEMM, its shape and token counts) rewritten
     uncalled: list[str] = field(default_factory=list)  # decode_gemm: linear layers no longer called as modules
     decode_gemms_untimed: list[str] = field(default_factory=list)  # decode_gemm: GEMM shapes on a CUDA GPU the table lacks
+    gated_in_gemm: list[str] = field(default_factory=list)  # gated_in_gemm: the gated activations the decode GEMM computes
+    gated_apart: dict[str, str] = field(default_factory=dict)  # gated_in_gemm: those of a merged pair left apart -> why
     forward: Callable | None = None  # compile_forward
 
     @property
@@ -261,6 +264,13 @@ def decode_gemm_kernels(f: Fusing) -> None:
     f.decode_gemms, f.uncalled, f.decode_gemms_untimed = decode_gemms(f.graph, f.module, f.merged, pdl)
 
 
+def gated_by_gemm(f: Fusing) -> None:
+    before = {n.name for n in f.graph.nodes}
+    f.gated_in_gemm, f.gated_apart = gated_in_gemm(f.graph, f.traced, f.cops, f.survivors, [k.region for k in f.shared], f.merged)
+    _drop_erased_survivors(f, before)  # ops of a product left to PyTorch run only past the table's sizes now
+    # (a product's kernel stays in the plan: it runs past the table's sizes, after PyTorch's GEMM)
+
+
 def compiled_forward(f: Fusing) -> None:
     f.forward = compile_forward(f.graph, f.module)
 
@@ -295,6 +305,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("upcast_in_gemm", upcasts_by_gemm, "a matmul of two half tensors each cast to fp32 for it run as the half GEMM with an fp32 output (cuBLAS, bmm out_dtype): no cast, no fp32 copy"),
     Pass("residual_in_gemm", residual_adds_in_gemm, "a residual added to a linear layer's output, in a buffer nothing else reads, added by the GEMM itself (addmm_, beta = 1): no launch for the add"),
     Pass("decode_gemm", decode_gemm_kernels, "linear layers whose weight shape this GPU's decode-GEMM table holds run on fuser's GEMM kernel at decode sizes (none without a table)"),
+    Pass("gated_in_gemm", gated_by_gemm, "the gated activation act(gate)·up of a merged gate/up GEMM on the decode GEMM kernel computed by that kernel (the halves' columns in one program): no launch for it"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip
 

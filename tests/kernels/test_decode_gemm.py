@@ -132,3 +132,52 @@ def test_compiled_kernel_is_the_linear_layer(dtype, n, k, rows):
         for _ in range(2):  # Triton's dispatch, then the binary's own launcher
             torch.testing.assert_close(linear(x, w, config), reference(x, w), atol=atol, rtol=rtol)
             torch.testing.assert_close(linear(x, w, config, r), reference(x, w, r), atol=atol, rtol=rtol)
+
+
+# A half whose sum lands the other side of a rounding step than the float64 reference's (one ulp:
+# 0.4 % in bf16) moves the activation by up to about four times that where SiLU's slope is steep
+# against its value (gates near -4), before the activation's and the product's own roundings.
+GATED_TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 1e-2), torch.bfloat16: (3e-2, 4e-2)}
+
+
+def gated_reference(x, w, activation):
+    """Eager's rounding: each half rounded to the dtype, the activation, then the product."""
+    half = w.shape[0] // 2
+    gate, up = reference(x, w[:half]), reference(x, w[half:])
+    act = F.silu if activation == "silu" else lambda v: F.gelu(v, approximate="tanh")
+    return act(gate) * up
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k", [(74, 100), (128, 256), (260, 33)])  # n: both halves
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, rows, activation):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 3 / k**0.5).to(dtype)  # gates of a few units: both arms of each activation
+    atol, rtol = GATED_TOLERANCES[dtype]
+    for config in (Config(block_n=16, block_k=64, warps=4, up_to=16), Config(block_n=4, block_k=512, warps=4, up_to=16)):
+        got = decode_gemm.gated(x, w, config, activation)
+        assert got.dtype == dtype and got.shape == (rows, n // 2)
+        torch.testing.assert_close(got, gated_reference(x, w, activation), atol=atol, rtol=rtol)
+
+
+def test_a_gated_weight_of_odd_rows_is_refused():
+    with pytest.raises(ValueError, match="even number of rows"):
+        decode_gemm.gated(torch.randn(1, 8), torch.randn(7, 8), Config(16, 16, 2, 16), "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k", [(16384, 2048), (2 * 1000, 1000)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_compiled_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, rows, activation):
+    g = torch.Generator("cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 3 / k**0.5).to(dtype)
+    atol, rtol = GATED_TOLERANCES[dtype]
+    for config in (Config(16, 128, 4, 16), Config(4, 2048, 4, 16, pdl=True)):
+        for _ in range(2):  # Triton's dispatch, then the binary's own launcher
+            torch.testing.assert_close(decode_gemm.gated(x, w, config, activation), gated_reference(x, w, activation), atol=atol, rtol=rtol)

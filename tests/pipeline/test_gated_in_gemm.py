@@ -1,0 +1,75 @@
+"""fuser.pipeline.gated_in_gemm: where the merged gate/up GEMM runs on the decode GEMM kernel, the
+gated activation (Llama's SiLU, Gemma's tanh GELU) is computed by that kernel and its own launch
+goes; past the table's token counts PyTorch's GEMM runs and the product's kernel after it; greedy
+decode gives eager's logits either way."""
+
+import copy
+
+import pytest
+import torch
+
+import fuser
+from fuser.install import decode_gemm
+from fuser.validate.tolerance import LAYER, mismatch
+from tests.model.test_decode import BATCH, PROMPT, greedy, prefilled, step
+from tests.model.test_model import causal_lm
+from tests.pipeline.test_decode_gemms import shapes, write_table
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def spy(monkeypatch, name):
+    calls = []
+    real = getattr(decode_gemm, name)
+    monkeypatch.setattr(decode_gemm, name, lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("model_name,activation", [("llama", "silu"), ("gemma2", "gelu_tanh")])
+@pytest.mark.parametrize("up_to", [16, 1], ids=["kernel", "past the table"])
+def test_the_decode_gemm_computes_the_gated_activation_and_decode_is_eager_s(tmp_path, monkeypatch, model_name, activation, up_to):
+    model = causal_lm(model_name, layers=2)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0]), up_to=up_to))
+    gated = spy(monkeypatch, "gated")
+
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
+    said = report.groups[0].report.gated_in_gemm
+    assert len(said) == 1 and f"{activation}(mlp.gate_proj) * mlp.up_proj" in said[0], report.text()
+    assert "gated activations computed by the decode GEMM kernel" in report.text()
+
+    gated.clear()
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fused = greedy(model, copy.deepcopy(cache), tokens)
+    # BATCH token rows a step: on the kernel where the table's up_to takes them, else PyTorch's GEMM
+    assert len(gated) == (2 * len(fused) if BATCH <= up_to else 0), gated
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
+
+
+def test_switched_off_the_product_keeps_its_own_kernel(tmp_path, monkeypatch):
+    model = causal_lm("llama", layers=1)
+    cache, tokens = prefilled(model)
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0])))
+    gated = spy(monkeypatch, "gated")
+    kwargs = step(tokens, PROMPT, copy.deepcopy(cache))
+    on = fuser.apply(copy.deepcopy(model), (), example_kwargs=kwargs).groups[0].report
+    off = fuser.apply(model, (), example_kwargs=kwargs, disable_passes=("gated_in_gemm",)).groups[0].report
+    assert off.gated_in_gemm == [] and len(on.gated_in_gemm) == 1
+    gated.clear()
+    greedy(model, copy.deepcopy(cache), tokens)
+    assert gated == []
+
+
+def test_without_a_table_nothing_is_said_or_changed(monkeypatch):
+    monkeypatch.delenv(decode_gemm.TABLE_ENV, raising=False)
+    model = causal_lm("llama", layers=1)
+    cache, tokens = prefilled(model)
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache))).groups[0].report
+    assert report.gated_in_gemm == [] and report.gated_apart == {}
