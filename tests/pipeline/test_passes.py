@@ -41,6 +41,7 @@ NAMES = [
     "upcast_in_gemm",
     "residual_in_gemm",
     "decode_gemm",
+    "gated_in_gemm",
     "compile_forward",
 ]
 REQUIRED = ["trace", "canonicalize", "place", "rewrite_graph", "compile_forward"]
