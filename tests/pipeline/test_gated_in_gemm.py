@@ -10,6 +10,7 @@ import torch
 
 import fuser
 from fuser.install import decode_gemm
+from fuser.pipeline import decode_gemms
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import BATCH, PROMPT, greedy, prefilled, step
 from tests.model.test_model import causal_lm
@@ -73,3 +74,34 @@ def test_without_a_table_nothing_is_said_or_changed(monkeypatch):
     cache, tokens = prefilled(model)
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache))).groups[0].report
     assert report.gated_in_gemm == [] and report.gated_apart == {}
+
+
+def reports(report):
+    return [g.report for g in report.groups if g.report is not None]
+
+
+@pytest.mark.parametrize("model_name", ["qwen2_moe", "gemma2", "mixtral", "deepseek_v4", "glm4"])
+def test_the_tune_command_the_report_gives_moves_every_gemm_and_decode_stays_eager_s(tmp_path, monkeypatch, model_name):
+    """As a user on a GPU whose table lacks the model's shapes: the report names them, the table
+    made for them moves every one to the kernel (shared experts, routers, fused gate/up
+    projections, MoE layers alike) and greedy decode still gives eager's logits."""
+    model = causal_lm(model_name, layers=2)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    monkeypatch.setattr(decode_gemms, "on_gpu", lambda weight: True)
+    monkeypatch.delenv(decode_gemm.TABLE_ENV, raising=False)
+    kwargs = step(tokens, PROMPT, copy.deepcopy(cache))
+    first = reports(fuser.apply(copy.deepcopy(model), (), example_kwargs=kwargs))
+    untimed = sorted({s for r in first for s in r.decode_gemms_untimed})
+    assert untimed and all(s.endswith(" float32") for s in untimed), untimed
+    timed = {tuple(int(v) for v in s.split()[0].split("x")) for s in untimed}
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, timed))
+
+    again = reports(fuser.apply(model, (), example_kwargs=kwargs))
+    assert [r.decode_gemms_untimed for r in again] == [[] for _ in again]
+    assert sum(len(r.decode_gemms) for r in again) >= len(timed)
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fused = greedy(model, copy.deepcopy(cache), tokens)
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
