@@ -10,10 +10,12 @@ program the columns ``j`` of both halves and store ``act(gate[j]) * up[j]`` alon
 the activation, the product). At token counts past the table's ``up_to`` the GEMM is PyTorch's
 and the product runs as before: the kernel that computed it, or its ops.
 
-Taken where the activation is found by what it computes (SiLU, or the tanh GELU: Gemma's
-``gelu_pytorch_tanh``), its gate is the merged group's first layer and its up the second (a group
-of those two alone, merged in that order), and nothing else reads the GEMM's output: the
-product's kernel computes exactly the product (or its ops run as they are).
+Phi-3's and GLM-4's MLPs hold one ``gate_up_proj`` layer and chunk its output in two: the same
+kernel takes that GEMM. Taken where the activation is found by what it computes (SiLU, or the
+tanh GELU: Gemma's ``gelu_pytorch_tanh``), its gate is the merged group's first layer and its up
+the second (a group of those two alone, merged in that order) or the first and second halves
+of the one layer's output, and nothing else reads the GEMM's output: the product's kernel
+computes exactly the product (or its ops run as they are).
 """
 
 from __future__ import annotations
@@ -60,40 +62,64 @@ def gated_in_gemm(graph: fx.Graph, traced: Traced, cops: dict, survivors: set, s
                   merged: MergedWeights | None) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     """Rewrite each such gated activation of the fused ``graph`` in place. Returns what was
     rewritten, and for each gated activation of a merged pair left apart, why."""
-    if merged is None:
-        return [], {}
     nodes = {n.name: n for n in graph.nodes}
     done, apart, taken = [], {}, set()
     for pattern, activation, torch_gate in GATES:
         matches, _ = match_pattern(pattern, traced, cops, taken)
         for m in matches:
             taken |= m.nodes
-            group = _pair_of(m, merged)
-            if group is None:
+            source = _source_of(m, merged, traced)
+            if source is None:
                 continue
-            gemm = _decode_gemm_of(graph, group.weight)
+            weight, gate, up = source
+            gemm = _decode_gemm_of(graph, weight)
             if gemm is None:  # PyTorch's GEMM at every size (the report names shapes the table lacks)
                 continue
-            what = f"{m.outputs[0].name} ({activation}({group.layers[0]}) * {group.layers[1]})"
-            halves = _halves(gemm)
+            what = f"{m.outputs[0].name} ({activation}({gate}) * {up})"
+            halves, between = _halves(gemm)
             out = fused_output(m, nodes, survivors, shared)
             why = _why_not(halves, out, m)
             if why:
                 apart[what] = why
                 continue
-            _rewrite(graph, gemm, halves, out, m, nodes, activation, torch_gate)
+            _rewrite(graph, gemm, halves, between, out, m, nodes, activation, torch_gate)
             done.append(f"{what}: by {gemm.name}'s kernel")
             nodes = {n.name: n for n in graph.nodes}
     graph.lint()
     return done, apart
 
 
-def _pair_of(m, merged: MergedWeights):
-    """The merged group of exactly the gate's and the up's linear layers, gate first."""
+def _source_of(m, merged: MergedWeights | None, traced: Traced) -> tuple[str, str, str] | None:
+    """Where the gate and the up come from: the weight attribute of the GEMM whose first and
+    second halves of columns they are, and their names; None for anything else. Either a merged
+    group of exactly the gate's and the up's linear layers, gate first, or one linear layer's
+    output chunked in two along its last dim (``gate_up_proj(x).chunk(2, dim=-1)``: Phi-3, GLM-4)."""
     gate, up = m.inputs
-    if gate.op != "call_module" or up.op != "call_module":
+    if gate.op == "call_module" and up.op == "call_module":
+        group = next((g for g in (merged.groups if merged else ()) if g.layers == (gate.target, up.target)), None)
+        return None if group is None else (group.weight, group.layers[0], group.layers[1])
+    chunked = _chunk_items(gate, up, traced)
+    if chunked is not None and chunked.op == "call_module":
+        return f"{chunked.target}.weight", f"{chunked.target}[..., :half]", f"{chunked.target}[..., half:]"
+    return None
+
+
+def _chunk_items(first: fx.Node, second: fx.Node, traced: Traced | None) -> fx.Node | None:
+    """``x`` where ``first, second`` are ``x.chunk(2, dim)``'s two items, ``dim`` the last of ``x``
+    as traced (any, without ``traced``: the fused graph's chunk is the traced one); else None."""
+    items = (first, second)
+    if not all(n.op == "call_function" and n.target is operator.getitem for n in items) or first.args[0] is not second.args[0]:
         return None
-    return next((g for g in merged.groups if g.layers == (gate.target, up.target)), None)
+    chunk = first.args[0]
+    is_chunk = (chunk.op == "call_method" and chunk.target == "chunk") or (chunk.op == "call_function" and chunk.target is torch.chunk)
+    if (first.args[1], second.args[1]) != (0, 1) or not is_chunk or not isinstance(chunk.args[0], fx.Node):
+        return None
+    source, *rest = chunk.args
+    chunks, dim = (rest + [None, None])[:2]
+    chunks, dim = chunk.kwargs.get("chunks", chunks), chunk.kwargs.get("dim", 0 if dim is None else dim)
+    if chunks != 2 or (traced is not None and dim not in (-1, traced.value(source).dim() - 1)):
+        return None
+    return source
 
 
 def _decode_gemm_of(graph: fx.Graph, weight: str) -> fx.Node | None:
@@ -106,21 +132,27 @@ def _decode_gemm_of(graph: fx.Graph, weight: str) -> fx.Node | None:
     return None
 
 
-def _halves(gemm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """The GEMM's two users, its first and its second half of columns (``out[..., :h]``,
-    ``out[..., h:]``), or None where it has other users."""
+def _halves(gemm: fx.Node) -> tuple[tuple[fx.Node, fx.Node] | None, list[fx.Node]]:
+    """The nodes of the GEMM's first and its second half of columns (``out[..., :h]`` and
+    ``out[..., h:]``, or ``out.chunk(2, dim=-1)``'s items), and the chunk between; (None, [])
+    where the GEMM's output is read otherwise."""
+    users = list(gemm.users)
+    if len(users) == 1 and len(users[0].users) == 2:
+        items = sorted(users[0].users, key=lambda n: str(n.args[1:2]))
+        if _chunk_items(*items, None) is gemm:
+            return (items[0], items[1]), [users[0]]
     found = {}
-    for user in gemm.users:
+    for user in users:
         index = user.args[1] if user.op == "call_function" and user.target is operator.getitem else None
         if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)):
-            return None
+            return None, []
         found[(index[1].start or 0, index[1].stop, index[1].step)] = user
     if len(found) != 2:
-        return None
+        return None, []
     (first, a), (second, b) = sorted(found.items(), key=lambda kv: kv[0][0])
     if first[0] != 0 or first[2] not in (None, 1) or second[2] not in (None, 1) or second[0] != first[1] or second[1] != 2 * first[1]:
-        return None
-    return a, b
+        return None, []
+    return (a, b), []
 
 
 def _why_not(halves, out: fx.Node | None, m) -> str | None:
@@ -139,7 +171,8 @@ def _why_not(halves, out: fx.Node | None, m) -> str | None:
     return None
 
 
-def _rewrite(graph: fx.Graph, gemm: fx.Node, halves, out: fx.Node, m, nodes: dict, activation: str, torch_gate: Callable) -> None:
+def _rewrite(graph: fx.Graph, gemm: fx.Node, halves, between: list, out: fx.Node, m, nodes: dict, activation: str,
+             torch_gate: Callable) -> None:  # fmt: skip
     """The GEMM becomes :func:`gated_linear` of the product's kernel (or its ops, in PyTorch);
     what read the product reads it; the product's kernel or ops and the halves go."""
     config = decode_gemm.config_of(gemm.target)
@@ -151,7 +184,7 @@ def _rewrite(graph: fx.Graph, gemm: fx.Node, halves, out: fx.Node, m, nodes: dic
     with graph.inserting_before(gemm):
         fused = graph.call_function(gated_linear(config, activation, rest), gemm.args)
     out.replace_all_uses_with(fused)
-    for node in (*gone, *halves, gemm):
+    for node in (*gone, *halves, *between, gemm):
         graph.erase_node(node)
 
 

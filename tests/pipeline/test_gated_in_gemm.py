@@ -105,3 +105,25 @@ def test_the_tune_command_the_report_gives_moves_every_gemm_and_decode_stays_eag
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
+
+
+@pytest.mark.parametrize("model_name", ["phi3", "glm4"])
+def test_one_gate_up_layer_chunked_in_two_is_taken_too(tmp_path, monkeypatch, model_name):
+    model = causal_lm(model_name, layers=2)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    layer = model.model.layers[0]
+    found = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, torch.nn.Linear)}
+    found.add((sum(layer.self_attn.get_submodule(n).out_features for n in ("q_proj", "k_proj", "v_proj")), layer.self_attn.q_proj.in_features)
+              if hasattr(layer.self_attn, "q_proj") else tuple(layer.self_attn.qkv_proj.weight.shape))  # fmt: skip
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, found))
+    gated = spy(monkeypatch, "gated")
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache))).groups[0].report
+    assert len(report.gated_in_gemm) == 1 and "silu(mlp.gate_up_proj[..., :half]) * mlp.gate_up_proj[..., half:]" in report.gated_in_gemm[0], report.text()
+    gated.clear()
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fused = greedy(model, copy.deepcopy(cache), tokens)
+    assert len(gated) == 2 * len(fused)
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
