@@ -45,9 +45,10 @@ def test_a_model_s_gemms_run_on_the_kernel_and_decode_as_eager(tmp_path, monkeyp
     cache, tokens = prefilled(model)
     eager_model = copy.deepcopy(model)
     monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0])))
-    launches = []
-    real = decode_gemm.linear
+    launches, gated = [], []
+    real, real_gated = decode_gemm.linear, decode_gemm.gated
     monkeypatch.setattr(decode_gemm, "linear", lambda *a, **k: launches.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(decode_gemm, "gated", lambda *a, **k: gated.append(a[2]) or real_gated(*a, **k))
 
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)))
     (group,) = report.groups
@@ -56,10 +57,11 @@ def test_a_model_s_gemms_run_on_the_kernel_and_decode_as_eager(tmp_path, monkeyp
                                                "mlp.down_proj (adding the residual)"], group.report.text()  # fmt: skip
     assert "GEMMs on fuser's decode GEMM kernel" in report.text()
 
-    launches.clear()
+    launches.clear(), gated.clear()
     eager = greedy(eager_model, copy.deepcopy(cache), tokens)
     fused = greedy(model, copy.deepcopy(cache), tokens)
-    assert len(launches) == 4 * 2 * len(fused), "four GEMMs a layer, two layers, each step"
+    # four GEMMs a layer, two layers, each step: gate/up with its gated activation (gated_in_gemm)
+    assert (len(launches), len(gated)) == (3 * 2 * len(fused), 2 * len(fused))
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
