@@ -10,7 +10,9 @@ token row and summed on the CUDA cores, accumulated in fp32 and rounded once, as
 ``tl.dot``: no tf32 rounding of fp32 values, no rows padded to 16). At more rows the chunk is
 narrowed so that a step's products stay as many as at one row (``block_k`` ÷ rows). Where a
 residual is given the sum is added before that rounding (the residual add's epilogue:
-:mod:`fuser.pipeline.residual_in_gemm`).
+:mod:`fuser.pipeline.residual_in_gemm`). :func:`gated` runs a gate/up pair's GEMM and stores
+``act(gate) * up`` alone, each program holding the same columns of both halves
+(:mod:`fuser.pipeline.gated_in_gemm`).
 
 Launched with programmatic dependent launch (``Config.pdl``, set by the ``decode_gemm`` pass where
 the ``pdl`` pass is on and the GPU has it) at one token row, as fuser's row programs are
@@ -49,7 +51,7 @@ from fuser.ir.device_tables import current_gpu, table_entries, table_file
 TABLE_ENV = "FUSER_DECODE_GEMM_TABLE"
 #: A GPU's table file name in the launch-table directories.
 TABLE_SUFFIX = "-decode_gemm.json"
-#: The most token rows the kernel takes (one ``tl.dot`` of 16 rows).
+#: The most token rows the kernel takes (a decode step's; past a few rows it loses to cuBLAS anyway).
 MAX_ROWS = 16
 
 
