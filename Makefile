@@ -30,7 +30,7 @@ demo: $(VENV)/.installed-demo
 	TRITON_INTERPRET=1 $(BIN)/fuser check examples/dsv4/layer.py:tiny
 
 test: $(VENV)/.installed-test
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # On a machine with a CUDA GPU and torch/triton installed (no venv): the GPU-marked tests.
 gpu-test:
