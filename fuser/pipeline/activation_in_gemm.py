@@ -223,10 +223,11 @@ def _rewrite(graph: fx.Graph, gemm: fx.Node, view: fx.Node | None, out: fx.Node,
         graph.erase_node(out)
         graph.erase_node(call)
     else:
-        for node in sorted((nodes[n.name] for n in m.nodes if n.name in nodes), key=_position(graph), reverse=True):
+        for node in sorted((nodes[n.name] for n in m.nodes if n.name in nodes), key=graph_order(graph), reverse=True):
             graph.erase_node(node)
 
 
-def _position(graph: fx.Graph):
+def graph_order(graph: fx.Graph):
+    """A sort key: a node's place in ``graph``."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     return order.__getitem__

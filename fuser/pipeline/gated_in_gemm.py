@@ -33,7 +33,7 @@ from fuser.install.fused_graph import REGION_META
 from fuser.install.merged_weights import MergedWeights
 from fuser.match.matcher import match_pattern
 from fuser.pattern import Pattern, tensor
-from fuser.pipeline.activation_in_gemm import fused_output
+from fuser.pipeline.activation_in_gemm import fused_output, graph_order
 from fuser.trace.tracing import Traced
 
 
@@ -62,6 +62,8 @@ def gated_in_gemm(graph: fx.Graph, traced: Traced, cops: dict, survivors: set, s
                   merged: MergedWeights | None) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     """Rewrite each such gated activation of the fused ``graph`` in place. Returns what was
     rewritten, and for each gated activation of a merged pair left apart, why."""
+    if not any(n.op == "call_function" and decode_gemm.config_of(n.target) is not None for n in graph.nodes):
+        return [], {}  # no GEMM on the kernel (no table for this GPU): no pattern to match
     nodes = {n.name: n for n in graph.nodes}
     done, apart, taken = [], {}, set()
     for pattern, activation, torch_gate in GATES:
@@ -160,8 +162,8 @@ def _why_not(halves, out: fx.Node | None, m) -> str | None:
         return "the merged GEMM's output is read other than as its two halves"
     if out is None:
         return "the product shares a kernel with other glue"
-    if out.op == "call_function" and out.target is operator.getitem and REGION_META in out.args[0].meta:
-        kernel = out.args[0]
+    kernel = _product_kernel(out)
+    if kernel is not None:
         if kernel.kwargs or set(kernel.args) != set(halves) or len(kernel.args) != 2:
             return "the product's kernel reads more than the two halves"
         if not set(halves[0].users) | set(halves[1].users) <= {kernel}:
@@ -171,16 +173,23 @@ def _why_not(halves, out: fx.Node | None, m) -> str | None:
     return None
 
 
+def _product_kernel(out: fx.Node) -> fx.Node | None:
+    """The fused kernel's call whose item ``out`` is; None where the product's ops run as they are."""
+    if out.op == "call_function" and out.target is operator.getitem and REGION_META in out.args[0].meta:
+        return out.args[0]
+    return None
+
+
 def _rewrite(graph: fx.Graph, gemm: fx.Node, halves, between: list, out: fx.Node, m, nodes: dict, activation: str,
              torch_gate: Callable) -> None:  # fmt: skip
     """The GEMM becomes :func:`gated_linear` of the product's kernel (or its ops, in PyTorch);
     what read the product reads it; the product's kernel or ops and the halves go."""
     config = decode_gemm.config_of(gemm.target)
-    if out.op == "call_function" and out.target is operator.getitem and REGION_META in out.args[0].meta:
-        kernel = out.args[0]
+    kernel = _product_kernel(out)
+    if kernel is not None:
         rest, gone = _kernel_rest(kernel.target, [halves.index(a) for a in kernel.args]), [out, kernel]
     else:
-        rest, gone = torch_gate, sorted((nodes[n.name] for n in m.nodes if n.name in nodes), key=_position(graph), reverse=True)
+        rest, gone = torch_gate, sorted((nodes[n.name] for n in m.nodes if n.name in nodes), key=graph_order(graph), reverse=True)
     with graph.inserting_before(gemm):
         fused = graph.call_function(gated_linear(config, activation, rest), gemm.args)
     out.replace_all_uses_with(fused)
@@ -210,8 +219,3 @@ def _kernel_rest(kernel: Callable, order: list[int]) -> Callable:
         return kernel(*(halves[i] for i in order))[0]
 
     return product_by_its_kernel
-
-
-def _position(graph: fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
