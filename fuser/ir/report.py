@@ -157,10 +157,8 @@ class Report:
             lines += ["", "gated activations of a merged gate/up projection left apart from its GEMM:"]
             lines += [f"  {what}: {why}" for what, why in self.gated_apart.items()]
         if self.decode_gemms_untimed:
-            shapes = ",".join(s.split()[0] for s in self.decode_gemms_untimed)
-            dtypes = ",".join(sorted({s.split()[1] for s in self.decode_gemms_untimed}))
             lines += ["", f"GEMMs left to PyTorch's at every size, their shapes not in this GPU's decode-GEMM table: "
-                          f"{', '.join(self.decode_gemms_untimed)} (`fuser tune --decode-gemm --shapes {shapes} --dtypes {dtypes}` "
+                          f"{', '.join(self.decode_gemms_untimed)} ({tune_command(self.decode_gemms_untimed)} "
                           "times fuser's kernel against PyTorch's for them on this GPU)"]
         if self.literals:
             values = ", ".join(f"{k}={v!r}" for k, v in self.literals.items())
@@ -191,3 +189,10 @@ def _shown(path: str) -> str:
     """``path`` relative to the working directory when it is inside it, else as it is."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
+
+
+def tune_command(untimed: list[str]) -> str:
+    """The ``fuser tune --decode-gemm`` command that times GEMM shapes (``NxK dtype`` each)."""
+    shapes = ",".join(s.split()[0] for s in untimed)
+    dtypes = ",".join(sorted({s.split()[1] for s in untimed}))
+    return f"`fuser tune --decode-gemm --shapes {shapes} --dtypes {dtypes}`"

@@ -32,6 +32,7 @@ from fuser.model.final_norm import NotHanded, called_on_output, hand_to_final_no
 from fuser.pipeline.pass_list import switched_off
 from fuser.regions.lone_ops import gave_a_kernel
 from fuser.model.model_report import LayerGroup, ModelReport
+from fuser.ir.report import tune_command
 from fuser.model.layer_stacks import decoder_stacks, layer_stacks  # noqa: F401 - layer_stacks: the api asks
 from fuser.model.progress import Progress
 from fuser.model.recording import record_calls
@@ -509,8 +510,11 @@ def _fuse_one_other(name, module, call, options, report: ModelReport, fused: Ins
         report.skipped[name] = f"{type(e).__name__}: {e}"
         return
     faster_alone = any(gave_a_kernel(c.note) for c in p.report.chains)  # a final LayerNorm: faster, not fewer
-    if p.report.launches_after >= p.report.launches_before and not faster_alone:
-        report.skipped[name] = "no glue a kernel saves launches on or runs faster"
+    # an LM head the decode-GEMM table holds: fuser's kernel reads its weight faster than PyTorch's GEMM
+    if p.report.launches_after >= p.report.launches_before and not faster_alone and not p.report.decode_gemms:
+        untimed = p.report.decode_gemms_untimed
+        report.skipped[name] = "no glue a kernel saves launches on or runs faster" + (
+            f"; its GEMMs {', '.join(untimed)} not in this GPU's decode-GEMM table ({tune_command(untimed)} times them)" if untimed else "")
         return
     _install(module, p, p.constants, p.precomputed, fused)
     report.others[name] = p.report

@@ -60,8 +60,9 @@ def test_a_model_s_gemms_run_on_the_kernel_and_decode_as_eager(tmp_path, monkeyp
     launches.clear(), gated.clear()
     eager = greedy(eager_model, copy.deepcopy(cache), tokens)
     fused = greedy(model, copy.deepcopy(cache), tokens)
-    # four GEMMs a layer, two layers, each step: gate/up with its gated activation (gated_in_gemm)
-    assert (len(launches), len(gated)) == (3 * 2 * len(fused), 2 * len(fused))
+    # four GEMMs a layer, two layers, each step: gate/up with its gated activation (gated_in_gemm);
+    # and the LM head, its 128×64 weight of a shape the table holds (the merged q/k/v's)
+    assert (len(launches), len(gated)) == ((3 * 2 + 1) * len(fused), 2 * len(fused))
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
@@ -119,3 +120,32 @@ def test_the_report_names_the_shapes_the_table_lacks_and_the_command_that_times_
     assert report.decode_gemms_untimed == [f"{qkv} float32", f"{gate_up} float32", f"{down} float32"]
     assert [s.split(":")[0] for s in report.decode_gemms] == ["self_attn.o_proj"]
     assert f"fuser tune --decode-gemm --shapes {qkv},{gate_up},{down} --dtypes float32" in report.text()
+
+
+def test_an_lm_head_the_table_holds_runs_on_the_kernel_and_decode_is_eager_s(tmp_path, monkeypatch):
+    # The model's own forward saves no glue launch: it is fused for its LM head's GEMM alone.
+    model = causal_lm("llama", layers=2)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    head = tuple(model.lm_head.weight.shape)
+    kwargs = step(tokens, PROMPT, copy.deepcopy(cache))
+    monkeypatch.setattr(decode_gemms, "on_gpu", lambda weight: True)  # the untimed shapes are said on a GPU
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0]) - {head}))
+    without = fuser.apply(copy.deepcopy(model), (), example_kwargs=kwargs)
+    assert "LlamaForCausalLM.forward" in without.skipped, without.text()
+    said = without.skipped["LlamaForCausalLM.forward"]
+    assert f"{head[0]}x{head[1]} float32" in said and f"--shapes {head[0]}x{head[1]}" in said, said
+
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0]) | {head}))
+    report = fuser.apply(model, (), example_kwargs=kwargs)
+    forward = report.others["LlamaForCausalLM.forward"]
+    assert [s.split(":")[0] for s in forward.decode_gemms] == ["lm_head"], forward.text()
+    heads = []
+    real = decode_gemm.linear
+    monkeypatch.setattr(decode_gemm, "linear", lambda x, w, *a, **k: (w is model.lm_head.weight and heads.append(x.shape)) or real(x, w, *a, **k))
+    eager = greedy(eager_model, copy.deepcopy(cache), tokens)
+    fused = greedy(model, copy.deepcopy(cache), tokens)
+    assert len(heads) == len(fused), heads  # once a step
+    for i, (got, expected) in enumerate(zip(fused, eager)):
+        problem = mismatch(got, expected, f"logits at step {i}", LAYER)
+        assert problem is None, problem
