@@ -66,6 +66,7 @@ FUSER_VARIANTS = (
     ("fuser -residual_in_gemm", dict(disable_passes=("residual_in_gemm",))),
     ("fuser -decode_gemm", dict(disable_passes=("decode_gemm",))),
     ("fuser -gated_in_gemm", dict(disable_passes=("gated_in_gemm",))),
+    ("fuser -decode_attention", dict(disable_passes=("decode_attention",))),
     ("fuser -activation_in_gemm", dict(disable_passes=("activation_in_gemm",))),
     ("fuser -glue_across_layers", dict(disable_passes=("glue_across_layers",))),
     ("fuser -upcast_in_gemm", dict(disable_passes=("upcast_in_gemm",))),

@@ -65,6 +65,7 @@ class Report:
     decode_gemms_untimed: list[str] = field(default_factory=list)  # GEMM shapes on the GPU the decode-GEMM table lacks
     gated_in_gemm: list[str] = field(default_factory=list)  # gated activations the decode GEMM kernel computes
     gated_apart: dict[str, str] = field(default_factory=dict)  # gated activations of a merged gate/up pair left apart -> why
+    decode_attention: list[str] = field(default_factory=list)  # attention calls on fuser's decode attention kernel
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -156,6 +157,9 @@ class Report:
         if self.gated_apart:
             lines += ["", "gated activations of a merged gate/up projection left apart from its GEMM:"]
             lines += [f"  {what}: {why}" for what, why in self.gated_apart.items()]
+        if self.decode_attention:
+            lines += ["", "attention calls on fuser's decode attention kernel at one query row (PyTorch's at any other call): "
+                          + ", ".join(self.decode_attention)]
         if self.decode_gemms_untimed:
             lines += ["", f"GEMMs left to PyTorch's at every size, their shapes not in this GPU's decode-GEMM table: "
                           f"{', '.join(self.decode_gemms_untimed)} ({tune_command(self.decode_gemms_untimed)} "

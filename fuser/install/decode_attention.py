@@ -1,0 +1,265 @@
+"""decode_attention: ``F.scaled_dot_product_attention`` of one query token per sequence (a decode
+step) by fuser's own kernel, PyTorch's for any other call.
+
+At decode the attention reads the cache (every key and value row of every key head) for one
+query row per head: a read of a few hundred KB to a few MB, far below what a fused attention
+kernel built for long queries (cuDNN's, flash's) is laid out for; on an H100 cuDNN's takes 6 µs
+a layer for a 256-row cache of Llama-3.2-1B. The kernel gives each program one key head of one
+sequence (the query heads of its group, padded to 16 rows, as one ``tl.dot`` against each block
+of keys) over one slice of the keys, with the online softmax in fp32; the probabilities are
+rounded to the values' dtype before their product with the values, as flash and cuDNN round
+them. A call with more key rows than one slice runs the slices as programs of their own and a
+second kernel combines them (each slice's running max, sum and weighted values).
+
+A block of keys that the mask hides from every query head (``-inf`` in an additive mask,
+``False`` in a boolean one) is not read: a static cache passes its whole length to the call
+with the rows past the tokens written masked, and only the written ones are read. So is a block
+an additive mask fills with a large negative value (cuDNN's -65504, ``finfo.min``) once each head
+of the program has seen a key of its slice that the mask does not hide: such a key's weight,
+``exp`` of a score 65504 below the largest, is 0 in fp32, as it is in PyTorch's kernels. (A slice
+of hidden keys alone is read: a head that sees no key at all attends over them all, as in
+PyTorch's.)
+
+Taken: one query row (``q`` of ``[batch, heads, 1, dim]``), keys and values of ``[batch, key
+heads, keys, dim]`` with the query heads a multiple of the key heads (``enable_gqa``, or as many
+heads), the last dim contiguous, one dtype (fp32, fp16, bf16) on a CUDA GPU (or Triton's
+interpreter), a mask of none, or additive of the query's dtype or boolean, broadcastable to
+``[batch, heads, 1, keys]``; no dropout, not ``is_causal`` (which at one query row would be the
+first key alone). Anything else runs PyTorch's. Launched with programmatic dependent launch where
+the ``pdl`` pass is on and the GPU has it (waiting first, like fuser's row programs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from fuser.codegen.emit import forbid_compile_during_capture
+from fuser.codegen.fast_launch import fast
+
+#: Keys a block of the loop (rows of one ``tl.dot``); a slice of the keys is a multiple of it.
+BLOCK_S = 64
+#: The query heads a program holds, at least (``tl.dot``'s smallest tile).
+MIN_ROWS = 16
+#: The most heads of a key head's group (beyond it, PyTorch's: a program's registers).
+MAX_GROUP = 64
+#: Programs a call aims at (about an H100's or H200's SMs): the keys are sliced until there are as many.
+PROGRAMS = 132
+#: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
+HIDDEN = -65504.0
+#: Mask kinds (``MASK``): none, additive, boolean.
+NO_MASK, ADDITIVE, BOOLEAN = 0, 1, 2
+
+
+@triton.jit
+def _product(a, b, EXACT: tl.constexpr):
+    """``a @ b`` summed in fp32: half operands on the tensor cores; with ``EXACT`` each operand
+    as fp32 and the products in fp32, not tf32."""
+    if EXACT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+def _exact(dtype: torch.dtype) -> bool:
+    """fp32 operands, and bf16 ones in Triton's interpreter (whose bf16 ``tl.dot`` is wrong; a
+    bf16 product is exact in fp32, as the tensor cores compute it)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _attend(
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr,
+    S, per_slice, scale, heads_kv,
+    q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    MASK: tl.constexpr, SLICED: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr, HIDDEN: tl.constexpr,
+):  # fmt: skip
+    """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
+    slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
+    and unnormalised weighted values for :func:`_combine`."""
+    if PDL:
+        gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
+        gdc_launch_dependents()
+    bh = tl.program_id(0)
+    piece = tl.program_id(1)
+    b = bh // heads_kv
+    kvh = bh % heads_kv
+    g = tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    g_ok, d_ok = g < GROUP, d < D
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b * q_b + heads[:, None] * q_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    best = tl.full((ROWS,), float("-inf"), tl.float32)  # each head's largest mask value so far
+    start = piece * per_slice
+    end = tl.minimum(start + per_slice, S)
+    first = start
+    while first < end:
+        s = first + tl.arange(0, BLOCK_S)
+        first += BLOCK_S
+        s_ok = s < end
+        bias = tl.zeros((ROWS, BLOCK_S), tl.float32)
+        if MASK == 1:
+            bias = tl.load(m_ptr + b * m_b + heads[:, None] * m_h + s[None, :] * m_s,
+                           mask=g_ok[:, None] & s_ok[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
+        elif MASK == 2:
+            seen = tl.load(m_ptr + b * m_b + heads[:, None] * m_h + s[None, :] * m_s, mask=g_ok[:, None] & s_ok[None, :], other=0)
+            bias = tl.where(seen != 0, 0.0, float("-inf"))
+        else:
+            bias = tl.where(g_ok[:, None] & s_ok[None, :], 0.0, float("-inf"))
+        top = tl.max(bias, axis=1)
+        skip = tl.max(top, axis=0) == float("-inf")
+        if MASK == 1:  # hidden by a large negative fill, where every head has seen a key it does not hide
+            seen = tl.min(tl.where(g_ok, best, float("inf")), axis=0) > HIDDEN
+            skip = skip | ((tl.max(top, axis=0) <= HIDDEN) & seen)
+        best = tl.maximum(best, top)
+        if not skip:  # a block the mask hides from every head is not read
+            k = tl.load(k_ptr + b * k_b + kvh * k_h + s[:, None] * k_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            scores = _product(q, tl.trans(k), EXACT)
+            scores = scores * scale + bias
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: nothing to scale
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + _product(p.to(v.dtype), v, EXACT)
+            m_i = m_new
+    if SLICED:
+        row = (b * heads_kv * GROUP + heads) * tl.num_programs(1) + piece
+        tl.store(part_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(stat_ptr + row * 2, m_i, mask=g_ok)
+        tl.store(stat_ptr + row * 2 + 1, l_i, mask=g_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine(part_ptr, stat_ptr, o_ptr, heads, o_b, o_h, SLICES: tl.constexpr, BLOCK_SLICES: tl.constexpr,
+             D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One program a query head: its slices' weighted values, rescaled to the largest max and summed."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    bh = tl.program_id(0)
+    j = tl.arange(0, BLOCK_SLICES)
+    d = tl.arange(0, BLOCK_D)
+    j_ok = j < SLICES
+    row = bh * SLICES + j
+    m = tl.load(stat_ptr + row * 2, mask=j_ok, other=float("-inf"))
+    l = tl.load(stat_ptr + row * 2 + 1, mask=j_ok, other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    parts = tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :], mask=j_ok[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(o_ptr + (bh // heads) * o_b + (bh % heads) * o_h + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+for _kernel in (_attend, _combine):
+    forbid_compile_during_capture(_kernel, Path(__file__))  # warm-ups at each shape compile it first
+_attend_launch, _combine_launch = fast(_attend), fast(_combine)
+
+
+def _mask_kind(mask, q: torch.Tensor, batch: int, heads: int, keys: int) -> int | None:
+    """The kernel's kind of ``mask`` (:data:`NO_MASK`, :data:`ADDITIVE`, :data:`BOOLEAN`); None
+    for one it does not take."""
+    if mask is None:
+        return NO_MASK
+    if not isinstance(mask, torch.Tensor) or mask.device != q.device or mask.dim() > 4:
+        return None
+    try:
+        torch.broadcast_shapes(mask.shape, (batch, heads, 1, keys))
+    except RuntimeError:
+        return None
+    if mask.dim() == 4 and mask.shape[2] != 1 or (mask.dim() >= 1 and mask.shape[-1] != keys):
+        return None  # (a mask of one key broadcast over the keys is rare: PyTorch's)
+    if mask.dtype == torch.bool:
+        return BOOLEAN
+    return ADDITIVE if mask.dtype == q.dtype else None
+
+
+def takes(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
+    """Does the kernel take this call (see the module's docstring)?"""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors) or dropout_p != 0.0 or is_causal:
+        return False
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if not (q.device == k.device == v.device) or any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return False
+    batch, heads, rows, dim = q.shape
+    if rows != 1 or k.shape != v.shape or k.shape[0] != batch or k.shape[3] != dim or dim > 256 or k.shape[2] == 0:
+        return False
+    heads_kv = k.shape[1]
+    if heads % heads_kv or (heads != heads_kv and not enable_gqa) or heads // heads_kv > MAX_GROUP:
+        return False
+    if any(t.stride(3) != 1 for t in tensors):
+        return False
+    return _mask_kind(attn_mask, q, batch, heads, k.shape[2]) is not None
+
+
+def slices(batch: int, heads_kv: int, keys: int) -> int:
+    """Slices of the keys: as many as give about :data:`PROGRAMS` programs, each a multiple of
+    :data:`BLOCK_S` keys."""
+    blocks = triton.cdiv(keys, BLOCK_S)
+    return max(1, min(blocks, PROGRAMS // max(batch * heads_kv, 1)))
+
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, pdl=False):
+    """``F.scaled_dot_product_attention(q, k, v, ...)``: by the kernel where :func:`takes` says
+    so, by PyTorch's otherwise."""
+    if not takes(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+    batch, heads, _, dim = q.shape
+    heads_kv, keys = k.shape[1], k.shape[2]
+    group = heads // heads_kv
+    kind = _mask_kind(attn_mask, q, batch, heads, keys)
+    mask = attn_mask.expand(batch, heads, 1, keys) if kind != NO_MASK else q
+    m_strides = (mask.stride(0), mask.stride(1), mask.stride(3)) if kind != NO_MASK else (0, 0, 0)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    pieces = slices(batch, heads_kv, keys)
+    per_slice = triton.cdiv(triton.cdiv(keys, pieces), BLOCK_S) * BLOCK_S
+    pieces = triton.cdiv(keys, per_slice)
+    block_d = max(16, triton.next_power_of_2(dim))  # (tl.dot's smallest)
+    sliced = pieces > 1
+    parts = torch.empty((batch * heads * pieces, block_d), dtype=torch.float32, device=q.device) if sliced else out
+    stats = torch.empty((batch * heads * pieces, 2), dtype=torch.float32, device=q.device) if sliced else out
+    _attend_launch[(batch * heads_kv, pieces)](
+        q, k, v, mask, out, parts, stats, keys, per_slice, 1.0 / math.sqrt(dim) if scale is None else float(scale), heads_kv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        *m_strides, out.stride(0), out.stride(1),
+        GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
+        MASK=kind, SLICED=sliced, EXACT=_exact(q.dtype), PDL=pdl, HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    if sliced:
+        _combine_launch[(batch * heads,)](
+            parts, stats, out, heads, out.stride(0), out.stride(1), SLICES=pieces, BLOCK_SLICES=triton.next_power_of_2(pieces),
+            D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1, launch_pdl=pdl,
+        )  # fmt: skip
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(pdl: bool):
+    """``F.scaled_dot_product_attention`` by :func:`attention`, launched with PDL where ``pdl``:
+    what a fused graph calls."""
+
+    def decode_attention(*args, **kwargs):
+        return attention(*args, **kwargs, pdl=pdl)
+
+    decode_attention.decode_attention_pdl = pdl
+    return decode_attention

@@ -1,0 +1,158 @@
+"""fuser.install.decode_attention: the decode attention kernel against a float64 reference of
+``F.scaled_dot_product_attention`` over odd and realistic shapes (groups of query heads, key
+counts of one and several slices, head dims), each mask kind and each dtype, with per-dtype
+tolerances; blocks a mask hides are not read; the calls it does not take run PyTorch's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fuser.install import decode_attention
+from fuser.install.decode_attention import attention, slices, takes
+
+# atol, rtol: scores and the softmax in fp32, the probabilities rounded to the dtype before their
+# product with the values (as flash and cuDNN round them), the output rounded once
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+DTYPES = list(TOLERANCES)
+# (batch, query heads, key heads, keys, head dim)
+SHAPES = [(1, 8, 2, 37, 16), (2, 4, 4, 200, 64), (1, 6, 2, 1000, 80), (3, 7, 1, 130, 96), (1, 32, 8, 256, 64)]
+
+
+def reference(q, k, v, mask=None, scale=None):
+    """sdpa in float64, each query head against its group's key head."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores + (torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask.double())
+    return (scores.softmax(-1) @ v).to(q.dtype)
+
+
+def inputs(batch, heads, heads_kv, keys, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+    k = torch.randn(batch, heads_kv, keys, dim, generator=g).to(dtype)
+    v = torch.randn(batch, heads_kv, keys, dim, generator=g).to(dtype)
+    return q, k, v
+
+
+def static_cache_mask(batch, keys, written, dtype, fill=float("-inf")):
+    """An additive mask of a static cache: each sequence's first ``written[b]`` keys seen, the rest ``fill``."""
+    mask = torch.full((batch, 1, 1, keys), fill, dtype=torch.float32)
+    for b, n in enumerate(written):
+        mask[b, ..., :n] = 0.0
+    return mask.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("batch,heads,heads_kv,keys,dim", SHAPES)
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "boolean", "per head"])
+def test_the_kernel_is_sdpa_at_one_query_row(dtype, batch, heads, heads_kv, keys, dim, mask_kind):
+    q, k, v = inputs(batch, heads, heads_kv, keys, dim, dtype, seed=keys + dim)
+    g = torch.Generator().manual_seed(1)
+    mask = {
+        "none": None,
+        "additive": static_cache_mask(batch, keys, [max(1, keys - 3 * b) for b in range(batch)], dtype),
+        "boolean": torch.rand(batch, 1, 1, keys, generator=g) > 0.3,
+        "per head": (torch.randn(batch, heads, 1, keys, generator=g) * 2).to(dtype),
+    }[mask_kind]
+    if mask is not None and mask.dtype == torch.bool:
+        mask[..., 0] = True  # every head sees a key
+    assert takes(q, k, v, mask, enable_gqa=heads != heads_kv)
+    got = attention(q, k, v, mask, enable_gqa=heads != heads_kv)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, reference(q, k, v, mask), atol=atol, rtol=rtol)
+    assert got.shape == q.shape and got.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_a_scale_and_a_mask_of_fewer_dims_are_sdpa_s(dtype):
+    q, k, v = inputs(2, 4, 2, 90, 32, dtype)
+    mask = static_cache_mask(1, 90, [70], dtype)[0, 0]  # [1, keys]: broadcast over batch and heads
+    atol, rtol = TOLERANCES[dtype]
+    got = attention(q, k, v, mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got, reference(q, k, v, mask, scale=0.3), atol=atol, rtol=rtol)
+
+
+def test_the_slices_give_about_one_program_an_sm_each_of_whole_blocks():
+    assert slices(1, 8, 256) == 4  # 4 blocks of 64 keys: a slice each
+    assert slices(1, 8, 4096) == 16  # 132 // 8
+    assert slices(64, 8, 4096) == 1  # 512 programs already
+    assert slices(1, 1, 10) == 1
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), -65504.0, "finfo.min"])
+def test_blocks_the_mask_hides_are_not_read(monkeypatch, fill):
+    # A static cache of 1000 rows, 70 and 130 written: rows past them hold NaN. Read, they would
+    # make the output NaN (a NaN score, or 0 × NaN); hidden blocks are skipped, and the output is
+    # attention over the written rows alone. A block of -inf is skipped by any program; one of a
+    # large negative fill only by a program all of whose heads have seen a key (one slice here:
+    # a slice of hidden keys alone reads them, as it cannot tell whether any other slice sees one).
+    dtype = torch.bfloat16
+    if fill != float("-inf"):
+        monkeypatch.setattr(decode_attention, "PROGRAMS", 1)
+    fill = torch.finfo(dtype).min if fill == "finfo.min" else fill
+    q, k, v = inputs(2, 8, 2, 1000, 64, dtype)
+    written = [70, 130]
+    mask = static_cache_mask(2, 1000, written, dtype, fill)
+    for b, n in enumerate(written):
+        k[b, :, (n + 63) // 64 * 64 :] = float("nan")  # from the first block wholly past the written rows
+        v[b, :, (n + 63) // 64 * 64 :] = float("nan")
+    got = attention(q, k, v, mask, enable_gqa=True)
+    atol, rtol = TOLERANCES[dtype]
+    for b, n in enumerate(written):
+        expected = reference(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+        torch.testing.assert_close(got[b : b + 1], expected, atol=atol, rtol=rtol)
+
+
+def test_a_head_that_sees_no_key_attends_as_pytorch_s_does():
+    # Filled with -65504 everywhere (cuDNN's fill), a sequence sees no key: sdpa's softmax then
+    # runs over all the keys' scores, each 65504 below zero; the kernel reads every block for it.
+    dtype = torch.float32
+    q, k, v = inputs(2, 4, 2, 300, 32, dtype)
+    mask = static_cache_mask(2, 300, [0, 100], dtype, fill=-65504.0)
+    got = attention(q, k, v, mask, enable_gqa=True)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), atol=1e-5, rtol=1e-5)
+    assert got.isfinite().all()
+
+
+def test_calls_it_does_not_take_run_pytorch_s(monkeypatch):
+    launches = []
+    monkeypatch.setattr(decode_attention, "_attend_launch", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launches.append(k)})())
+    q, k, v = inputs(1, 4, 2, 50, 16, torch.float32)
+    refused = {
+        "two query rows": dict(q=torch.cat([q, q], dim=2)),
+        "dropout": dict(dropout_p=0.1),
+        "causal": dict(is_causal=True),
+        "heads not grouped without enable_gqa": dict(enable_gqa=False),
+        "a half query": dict(q=q.half()),
+        "an additive mask of another dtype": dict(attn_mask=torch.zeros(1, 1, 1, 50, dtype=torch.float16)),
+        "a mask of several query rows": dict(attn_mask=torch.zeros(1, 1, 2, 50)),
+        "a mask of another key count": dict(attn_mask=torch.zeros(1, 1, 1, 49)),
+        "a head dim past 256": dict(q=torch.randn(1, 4, 1, 272), k=torch.randn(1, 2, 50, 272), v=torch.randn(1, 2, 50, 272)),
+        "key heads that do not divide the query heads": dict(k=k[:, :1].expand(1, 3, 50, 16), v=v[:, :1].expand(1, 3, 50, 16)),
+    }
+    for what, change in refused.items():
+        call = dict(q=q, k=k, v=v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=True) | change
+        assert not takes(**call), what
+    for what in ("two query rows", "causal", "a head dim past 256"):  # calls PyTorch's runs: its result, unchanged
+        call = dict(q=q, k=k, v=v, enable_gqa=True) | refused[what]
+        q_, k_, v_ = call.pop("q"), call.pop("k"), call.pop("v")
+        assert torch.equal(attention(q_, k_, v_, **call), F.scaled_dot_product_attention(q_, k_, v_, **call)), what
+    assert launches == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("batch,heads,heads_kv,keys,dim", [(1, 32, 8, 256, 64), (8, 32, 8, 4096, 128), (3, 7, 1, 130, 96), (2, 64, 8, 1000, 128)])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_compiled_kernel_is_sdpa_at_one_query_row(dtype, batch, heads, heads_kv, keys, dim, pdl):
+    q, k, v = (t.cuda() for t in inputs(batch, heads, heads_kv, keys, dim, dtype, seed=keys))
+    mask = static_cache_mask(batch, keys, [max(1, keys // 2 - b) for b in range(batch)], dtype, fill=-65504.0).cuda()
+    atol, rtol = TOLERANCES[dtype]
+    expected = reference(q.cpu(), k.cpu(), v.cpu(), mask.cpu()).cuda()
+    for _ in range(2):  # Triton's dispatch, then the binary's own launcher
+        got = attention(q, k, v, mask, enable_gqa=True, pdl=pdl and torch.cuda.get_device_capability() >= (9, 0))
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, sdpa, atol=atol, rtol=rtol)
