@@ -27,6 +27,7 @@ device; this kernel's writes past the end are dropped.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from pathlib import Path
@@ -35,6 +36,8 @@ import torch
 import torch.fx as fx
 import triton
 import triton.language as tl
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuser.codegen.emit import forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
@@ -47,12 +50,15 @@ STATIC_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")  # of CACHE_MODULE: 
 def _write_at_length(
     k_ptr, v_ptr, keys_ptr, values_ptr, length_ptr, done_ptr, heads, steps, slots,
     k_b, k_h, k_s, v_b, v_h, v_s, c_b, c_h, c_s,
-    DIM: tl.constexpr, BLOCK: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (batch, head, new position): the key and value rows written at slot
     ``length + position`` of their cache rows (the caches' last dimension is contiguous). The
     batch is only the grid: no integer argument depends on it, so one compiled
     kernel serves them all. The last program to finish moves the length on by ``steps``."""
+    if PDL:
+        gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
+        gdc_launch_dependents()
     row = tl.program_id(0)
     b = row // (heads * steps)
     h = (row // steps) % heads
@@ -128,18 +134,19 @@ def _done_count(length: torch.Tensor) -> torch.Tensor:
     return count
 
 
-def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx, *args, **kwargs):
+def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx, *args, pdl: bool = False, **kwargs):
     """``cache.update(key_states, value_states, layer_idx, ...)``, in one kernel and the
-    length's add in it, where the layer is a static one the kernel can write (module docstring)."""
+    length's add in it, where the layer is a static one the kernel can write (module docstring);
+    the kernel launched with programmatic dependent launch where ``pdl``."""
     layer = _static_layer(cache, layer_idx, key_states, value_states)
     if layer is None:
         return cache.update(key_states, value_states, layer_idx, *args, **kwargs)
     if type(layer).__name__ == "StaticLayer":
-        _write_at_the_length(layer, key_states, value_states)
+        _write_at_the_length(layer, key_states, value_states, pdl)
         return layer.keys, layer.values
     steps, filled, window = key_states.shape[2], layer.cumulative_length_int, layer.max_cache_len
     if steps and filled + steps <= window:  # not full after the step: as a plain layer
-        _write_at_the_length(layer, key_states, value_states)
+        _write_at_the_length(layer, key_states, value_states, pdl)
     elif filled >= window and steps == 1:  # full: the oldest row out, the new one last
         for cached, new in ((layer.keys, key_states), (layer.values, value_states)):
             cached.copy_(torch.cat((cached[:, :, 1:], new), dim=2))
@@ -149,7 +156,7 @@ def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_id
     return layer.keys, layer.values
 
 
-def _write_at_the_length(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+def _write_at_the_length(layer, key_states: torch.Tensor, value_states: torch.Tensor, pdl: bool) -> None:
     """The new states written at the layer's device length, which moves on, in one kernel."""
     keys, values = layer.keys, layer.values
     batch, heads, steps, dim = key_states.shape
@@ -161,22 +168,35 @@ def _write_at_the_length(layer, key_states: torch.Tensor, value_states: torch.Te
             key_states.stride(0), key_states.stride(1), key_states.stride(2),
             value_states.stride(0), value_states.stride(1), value_states.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
-            DIM=dim, BLOCK=triton.next_power_of_2(dim),
+            DIM=dim, BLOCK=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     else:
         layer.cumulative_length.add_(steps)
 
 
-def write_in_one_kernel(graph: fx.Graph, traced) -> list[str]:
+def write_in_one_kernel(graph: fx.Graph, traced, pdl: bool = False) -> list[str]:
     """Make each leaf call ``<state>.update(...)`` of ``graph`` that wrote a layer of a
     ``StaticCache`` the kernel can write in the trace a call of :func:`update` (the node keeps its name and
-    arguments); the calls changed, as the report names them (``past_key_values.update``)."""
+    arguments), launched with programmatic dependent launch where ``pdl``; the calls changed, as
+    the report names them (``past_key_values.update``)."""
     changed = []
     for node in graph.nodes:
         if node.op != "call_method" or node.target != "update" or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         shadows = traced.shadows.get(node.args[0].name)
         if shadows is not None and len(node.args) >= 4 and _plain_layer(shadows[0], node.args[3]) is not None:
-            node.op, node.target = "call_function", update
+            node.op, node.target = "call_function", updater(pdl)
             changed.append(f"{node.args[0].target if node.args[0].op == 'placeholder' else node.args[0].name}.update")
     return changed
+
+
+@functools.lru_cache(maxsize=None)
+def updater(pdl: bool):
+    """:func:`update`, its kernel launched with PDL where ``pdl``: what a fused graph calls."""
+    if not pdl:
+        return update
+
+    def update_with_pdl(*args, **kwargs):
+        return update(*args, pdl=True, **kwargs)
+
+    return update_with_pdl

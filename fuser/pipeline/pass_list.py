@@ -222,7 +222,7 @@ def copies_installed(f: Fusing) -> None:
 
 
 def static_cache_write(f: Fusing) -> None:
-    f.cache_writes = write_in_one_kernel(f.graph, f.traced)
+    f.cache_writes = write_in_one_kernel(f.graph, f.traced, pdl="pdl" not in f.off and passes.has_pdl(f.traced))
 
 
 def merged_projection_groups(f: Fusing) -> None:

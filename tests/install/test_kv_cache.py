@@ -181,18 +181,21 @@ def test_writes_past_the_end_of_the_cache_are_dropped(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_in_a_cuda_graph_each_replay_writes_the_next_slot(monkeypatch, dtype):
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_in_a_cuda_graph_each_replay_writes_the_next_slot(monkeypatch, dtype, pdl):
     """The length is read on the device: one captured update, replayed, writes one slot after
-    another, as transformers' update called that many times does."""
+    another, as transformers' update called that many times does (launched with PDL too, where
+    the GPU has it: the kernel waits for the one before it)."""
+    update = kv_cache.updater(pdl and torch.cuda.get_device_capability() >= (9, 0))
     expected = cache(8, 128, 4, dtype, device="cuda")
     got = copy.deepcopy(expected)
     taken = Taken(monkeypatch)
     k, v = (t.cuda() for t in states(4, 8, 1, 128, dtype, seed=0))
-    kv_cache.update(got, k, v, 0)  # compiles the kernel, outside the capture
+    update(got, k, v, 0)  # compiles the kernel, outside the capture
     expected.update(k, v, 0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kv_cache.update(got, k, v, 0)
+        update(got, k, v, 0)
     for step in range(1, 4):
         new_k, new_v = (t.cuda() for t in states(4, 8, 1, 128, dtype, seed=step))
         k.copy_(new_k)
