@@ -5,10 +5,12 @@ At one to sixteen tokens a linear layer is a GEMV: it reads its weight once, and
 that read plus the launch. The kernel gives each program ``block_n`` output columns (as few as
 four, so that a weight of 2048 rows runs 512 programs and every SM streams several) and walks
 the reduction in chunks of ``block_k`` (up to the whole of it; its width a constant of the kernel:
-one binary per weight shape): each chunk of the weight is read once, multiplied against every
-token row and summed on the CUDA cores, accumulated in fp32 and rounded once, as cuBLAS does (no
-``tl.dot``: no tf32 rounding of fp32 values, no rows padded to 16). At more rows the chunk is
-narrowed so that a step's products stay as many as at one row (``block_k`` ÷ rows). Where a
+one binary per weight shape): each chunk of the weight is read once. At one token row it is
+multiplied against the row and summed on the CUDA cores, accumulated in fp32 and rounded once,
+as cuBLAS does (no ``tl.dot``: no rows padded to 16). At more rows the rows and the columns are
+padded to 16 (the columns of a program at least 16) and each chunk is one ``tl.dot`` on the
+tensor cores, summed in fp32 (fp32 operands multiplied in fp32, not tf32), the chunk narrowed
+as the rows grow (``block_k`` ÷ rows). Where a
 residual is given the sum is added before that rounding (the residual add's epilogue:
 :mod:`fuser.pipeline.residual_in_gemm`). :func:`gated` runs a gate/up pair's GEMM and stores
 ``act(gate) * up`` alone, each program holding the same columns of both halves
@@ -34,6 +36,7 @@ linear layer whose shape has no entry, or a call with more rows than ``up_to``, 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +75,7 @@ ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 
 @triton.jit
 def _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K: tl.constexpr, stride_xm, stride_wn,
-               BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+               BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """``acc`` plus one chunk of the reduction: weight rows ``cols`` against every token row."""
     w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
     x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
@@ -84,10 +87,11 @@ def _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K: tl.constexp
         x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
     else:
         x = tl.load(x_at, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-    w, x = w.to(tl.float32), x.to(tl.float32)
     if BLOCK_M == 1:
-        return acc + tl.expand_dims(tl.sum(w * x, axis=1), 0)
-    return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        return acc + tl.expand_dims(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1), 0)
+    if EXACT:  # fp32 operands (and bf16 in the interpreter): the products in fp32, not tf32
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w))
 
 
 @triton.jit
@@ -95,6 +99,7 @@ def _decode_gemm(
     x_ptr, w_ptr, r_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
+    EXACT: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
@@ -106,9 +111,10 @@ def _decode_gemm(
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        acc = _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N, EVEN_K)
+        acc = _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N, EVEN_K, EXACT)
         if GATE:  # the pair's second half: weight rows N + cols
-            up = _dot_chunk(up, x_ptr, w_ptr + N * stride_wn, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N, EVEN_K)
+            up = _dot_chunk(up, x_ptr, w_ptr + N * stride_wn, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N,
+                            EVEN_K, EXACT)  # fmt: skip
     out = rows[:, None] * stride_ym + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     dtype = y_ptr.dtype.element_ty
@@ -168,15 +174,23 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0) -> tor
     rows = flat.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     r = residual.reshape(rows, n) if residual is not None else out
-    block_m = triton.next_power_of_2(rows)
-    block_k = chunk(config, block_m, k)
+    block_k = chunk(config, triton.next_power_of_2(rows), k)
+    # one row: summed on the CUDA cores; more: one tl.dot a chunk, rows and columns padded to 16
+    block_m, block_n = (1, config.block_n) if rows == 1 else (max(16, triton.next_power_of_2(rows)), max(16, config.block_n))
     pdl = config.pdl and rows <= PDL_ROWS
-    _launch[(triton.cdiv(n, config.block_n),)](
+    _launch[(triton.cdiv(n, block_n),)](
         flat, weight, r, out, rows, n, flat.stride(0), weight.stride(0), r.stride(0), out.stride(0),
-        K=k, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_N=n % config.block_n == 0,
-        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, num_warps=config.warps, launch_pdl=pdl,
+        K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
+        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, EXACT=_exact(x.dtype),
+        num_warps=config.warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+def _exact(dtype: torch.dtype) -> bool:
+    """fp32 operands, and bf16 ones in Triton's interpreter (whose bf16 ``tl.dot`` is wrong; a
+    bf16 product is exact in fp32, as the tensor cores compute it)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # --- the table -----------------------------------------------------------------------------------
