@@ -28,7 +28,9 @@ The table (``<GPU>-decode_gemm.json``, written by ``fuser tune --decode-gemm``,
 :mod:`fuser.tools.tune_decode_gemm`; ``$FUSER_DECODE_GEMM_TABLE`` names one file to read instead,
 on any device) has one entry per weight shape and dtype: the best of the configurations timed,
 its time and PyTorch's at each decode token count (each replayed in a CUDA graph), and
-``up_to``, the largest token count up to which the kernel was the faster at every count. A
+``up_to``, the largest token count up to which the kernel was the faster at every count (the
+configuration at one row the fastest there, ``config_rows`` the fastest over the larger counts
+where another). A
 linear layer whose shape has no entry, or a call with more rows than ``up_to``, runs
 ``F.linear``: the default is PyTorch's.
 """
@@ -67,6 +69,11 @@ class Config:
     warps: int
     up_to: int
     pdl: bool = False  # launched with programmatic dependent launch at one row (not in the table: the pass's)
+    rows: tuple[int, int, int] | None = None  # (block_n, block_k, warps) at more than one row, where they differ
+
+    def at(self, rows: int) -> tuple[int, int, int]:
+        """(block_n, block_k, warps) of a launch on ``rows`` token rows."""
+        return self.rows if rows > 1 and self.rows is not None else (self.block_n, self.block_k, self.warps)
 
 
 #: The activations the kernel applies to a gated pair's first half (``GATE``): 0 none.
@@ -143,10 +150,10 @@ def takes(x: torch.Tensor, weight: torch.Tensor, config: Config | None) -> bool:
     return 0 < rows <= config.up_to and x.shape[-1] == weight.shape[1] and x.device == weight.device
 
 
-def chunk(config: Config, block_m: int, k: int) -> int:
+def chunk(block_k: int, block_m: int, k: int) -> int:
     """The reduction's chunk at ``block_m`` rows: ``block_k`` at one row, narrowed as the rows grow
     (as many products a step), never wider than the reduction."""
-    return max(16, min(config.block_k // block_m, triton.next_power_of_2(k)))
+    return max(16, min(block_k // block_m, triton.next_power_of_2(k)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,15 +181,16 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0) -> tor
     rows = flat.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     r = residual.reshape(rows, n) if residual is not None else out
-    block_k = chunk(config, triton.next_power_of_2(rows), k)
+    block_n, block_k, warps = config.at(rows)
+    block_k = chunk(block_k, triton.next_power_of_2(rows), k)
     # one row: summed on the CUDA cores; more: one tl.dot a chunk, rows and columns padded to 16
-    block_m, block_n = (1, config.block_n) if rows == 1 else (max(16, triton.next_power_of_2(rows)), max(16, config.block_n))
+    block_m, block_n = (1, block_n) if rows == 1 else (max(16, triton.next_power_of_2(rows)), max(16, block_n))
     pdl = config.pdl and rows <= PDL_ROWS
     _launch[(triton.cdiv(n, block_n),)](
         flat, weight, r, out, rows, n, flat.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, EXACT=_exact(x.dtype),
-        num_warps=config.warps, launch_pdl=pdl,
+        num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -220,18 +228,24 @@ def _read(path: str, mtime_ns: int) -> dict:
     for i, entry in enumerate(entries):
         try:
             key = (int(entry["n"]), int(entry["k"]), str(entry["dtype"]))
-            c = entry["config"]
-            config = Config(int(c["block_n"]), int(c["block_k"]), int(c["warps"]), int(entry["up_to"]))
+            launches = [_launch_of(entry["config"])] + ([_launch_of(entry["config_rows"])] if "config_rows" in entry else [])
+            up_to = int(entry["up_to"])
         except (KeyError, TypeError, ValueError) as e:
             raise DecodeGemmTableError(
-                f'{where}: entry {i} needs "n", "k", "dtype", "up_to" and a "config" of "block_n", "block_k" and '
-                f'"warps"; has {entry!r} ({type(e).__name__}: {e})'
+                f'{where}: entry {i} needs "n", "k", "dtype", "up_to" and a "config" (and may have a "config_rows", at more '
+                f'than one token row) of "block_n", "block_k" and "warps"; has {entry!r} ({type(e).__name__}: {e})'
             ) from None
-        if not (_power_of_2(config.block_n) and _power_of_2(config.block_k) and config.block_k >= 16 and config.warps >= 1):
-            raise DecodeGemmTableError(f"{where}: entry {i}: block_n and block_k powers of 2, block_k 16 or more, warps 1 or more; has {c!r}")
-        if config.up_to > 0:
-            found[key] = Config(config.block_n, config.block_k, config.warps, min(config.up_to, MAX_ROWS))
+        for block_n, block_k, warps in launches:
+            if not (_power_of_2(block_n) and _power_of_2(block_k) and block_k >= 16 and warps >= 1):
+                raise DecodeGemmTableError(f"{where}: entry {i}: block_n and block_k powers of 2, block_k 16 or more, warps 1 or more; "
+                                           f"has {entry['config']!r}, {entry.get('config_rows')!r}")  # fmt: skip
+        if up_to > 0:
+            found[key] = Config(*launches[0], min(up_to, MAX_ROWS), rows=launches[1] if len(launches) > 1 else None)
     return found
+
+
+def _launch_of(c: dict) -> tuple[int, int, int]:
+    return int(c["block_n"]), int(c["block_k"]), int(c["warps"])
 
 
 def _power_of_2(v: int) -> bool:

@@ -8,8 +8,9 @@ For each shape (``N x K``: a weight of N rows of K) and dtype, every configurati
 :data:`CONFIGS` is checked against ``F.linear`` at the largest token count (a configuration that
 disagrees is not timed) and timed at each token count, as is ``F.linear``, each as back-to-back
 launches replayed from a CUDA graph (:func:`fuser.tools.tune.time_launches_us`). The entry keeps
-the configuration of the least mean time, both times per token count, and ``up_to``: the
-largest token count up to which the kernel was the faster at every count (0: never). The table
+the fastest configuration at one token (``config``) and, where another, the fastest over the
+larger counts (``config_rows``), both times per token count, and ``up_to``: the largest token
+count up to which the kernel was the faster at every count (0: never). The table
 (``<GPU>-decode_gemm.json``) is merged into ``DIR`` (default: fuser's
 ``fuser/codegen/launch_configs/``): an entry of the same shape and dtype is replaced.
 """
@@ -62,23 +63,30 @@ def measure(n: int, k: int, dtype: torch.dtype, tokens=DECODE_TOKENS, device="cu
     x = torch.randn(max(tokens), k, device=device, generator=g).to(dtype)
     expected = F.linear(x, weight).float()
     torch_us = {t: timer(F.linear, (x[:t], weight)) for t in tokens}
-    best, best_us, wrong = None, None, []
+    timed, wrong = [], []
     for config in configs:
         got = decode_gemm.linear(x, weight, config).float()
         if (got - expected).abs().max() > AGREEMENT[dtype] * expected.abs().max().clamp_min(1e-6):
             wrong.append(config)
             continue
-        us = {t: timer(decode_gemm.linear, (x[:t], weight, config)) for t in tokens}
-        if best_us is None or sum(us.values()) < sum(best_us.values()):
-            best, best_us = config, us
-    if best is None:
+        timed.append((config, {t: timer(decode_gemm.linear, (x[:t], weight, config)) for t in tokens}))
+    if not timed:
         raise RuntimeError(f"decode GEMM {n}x{k} {dtype}: no configuration agrees with F.linear ({len(wrong)} tried)")
-    return dict(
-        n=n, k=k, dtype=str(dtype).removeprefix("torch."), up_to=up_to(torch_us, best_us),
+    # the launch at one row (a batch of one: the decode step that matters most) and at more, each its fastest
+    one = [t for t in tokens if t == 1] or list(tokens)
+    more = [t for t in tokens if t > 1] or list(tokens)
+    best, best_us = min(timed, key=lambda c: sum(c[1][t] for t in one))
+    rows, rows_us = min(timed, key=lambda c: sum(c[1][t] for t in more))
+    fuser_us = {t: (best_us if t in one else rows_us)[t] for t in tokens}
+    entry = dict(
+        n=n, k=k, dtype=str(dtype).removeprefix("torch."), up_to=up_to(torch_us, fuser_us),
         config=dict(block_n=best.block_n, block_k=best.block_k, warps=best.warps),
-        torch_us={str(t): round(v, 3) for t, v in torch_us.items()}, fuser_us={str(t): round(v, 3) for t, v in best_us.items()},
+        torch_us={str(t): round(v, 3) for t, v in torch_us.items()}, fuser_us={str(t): round(v, 3) for t, v in fuser_us.items()},
         disagreed=len(wrong),
     )  # fmt: skip
+    if rows != best:
+        entry["config_rows"] = dict(block_n=rows.block_n, block_k=rows.block_k, warps=rows.warps)
+    return entry
 
 
 def measure_all(shapes=STANDARD_SHAPES, dtypes=("bfloat16",), tokens=DECODE_TOKENS, device="cuda", timer=None,
@@ -91,8 +99,9 @@ def measure_all(shapes=STANDARD_SHAPES, dtypes=("bfloat16",), tokens=DECODE_TOKE
         for n, k in shapes:
             entry = measure(n, k, dtype, tokens, device, timer)
             entries.append(entry)
+            rows = f", {entry['config_rows']} at more rows" if "config_rows" in entry else ""
             log(f"{n:>7}x{k:<6} {name:>9}: PyTorch {entry['torch_us']}, fuser {entry['fuser_us']} "
-                f"({entry['config']}) -> fuser's up to {entry['up_to']} tokens")  # fmt: skip
+                f"({entry['config']}{rows}) -> fuser's up to {entry['up_to']} tokens")  # fmt: skip
     return entries
 
 

@@ -39,10 +39,21 @@ def test_the_kernel_is_the_linear_layer(dtype, n, k, rows, residual):
 
 
 def test_the_chunk_narrows_with_the_rows_and_the_reduction():
-    config = Config(block_n=4, block_k=2048, warps=4, up_to=16)
-    assert [chunk(config, m, 8192) for m in (1, 2, 8, 16)] == [2048, 1024, 256, 128]
-    assert chunk(config, 1, 100) == 128  # never wider than the reduction (a power of 2)
-    assert chunk(Config(4, 32, 4, 16), 16, 8192) == 16  # never below 16
+    assert [chunk(2048, m, 8192) for m in (1, 2, 8, 16)] == [2048, 1024, 256, 128]
+    assert chunk(2048, 1, 100) == 128  # never wider than the reduction (a power of 2)
+    assert chunk(32, 16, 8192) == 16  # never below 16
+
+
+def test_the_launch_at_more_rows_is_the_table_s_config_rows_where_it_has_one(monkeypatch):
+    launches = []
+    monkeypatch.setattr(decode_gemm, "_launch", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launches.append((grid, k))})())
+    w = torch.randn(64, 32)
+    for config in (Config(4, 32, 2, 16), Config(4, 32, 2, 16, rows=(32, 64, 8))):
+        for rows in (1, 3):
+            linear(torch.randn(rows, 32), w, config)
+    said = [(grid[0], k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], k["num_warps"]) for grid, k in launches]
+    # one row: the config's; more: its own or config_rows, the rows and columns padded to 16 and the chunk narrowed by 4 rows
+    assert said == [(16, 1, 4, 32, 2), (4, 16, 16, 16, 2), (16, 1, 4, 32, 2), (2, 16, 32, 16, 8)]
 
 
 def test_pdl_is_asked_for_at_one_row_only(monkeypatch):
@@ -86,8 +97,10 @@ ENTRY = dict(n=64, k=256, dtype="bfloat16", up_to=8, config=dict(block_n=32, blo
 
 def test_the_table_gives_a_config_per_shape_and_dtype(tmp_path, monkeypatch):
     never = dict(ENTRY, n=128, up_to=0)  # measured, never the faster
-    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(table(tmp_path, [ENTRY, never])))
+    rows = dict(ENTRY, n=96, config_rows=dict(block_n=16, block_k=512, warps=8))
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(table(tmp_path, [ENTRY, never, rows])))
     assert config_for(64, 256, torch.bfloat16) == Config(32, 128, 4, 8)
+    assert config_for(96, 256, torch.bfloat16) == Config(32, 128, 4, 8, rows=(16, 512, 8))
     assert config_for(64, 256, torch.float16) is None and config_for(128, 256, torch.bfloat16) is None
     monkeypatch.delenv(decode_gemm.TABLE_ENV)
     assert config_for(64, 256, torch.bfloat16) is None  # no GPU here: no table
@@ -100,6 +113,8 @@ def test_the_table_gives_a_config_per_shape_and_dtype(tmp_path, monkeypatch):
         ([dict(ENTRY, config=dict(block_n=32))], "entry 0 needs"),
         ([dict(ENTRY, config=dict(block_n=12, block_k=128, warps=4))], "block_n and block_k powers of 2"),
         ([dict(ENTRY, config=dict(block_n=8, block_k=8, warps=4))], "block_k 16 or more"),
+        ([dict(ENTRY, config_rows=dict(block_n=8, block_k=8, warps=4))], "block_k 16 or more"),
+        ([dict(ENTRY, config_rows=dict(block_k=8))], "may have a \"config_rows\""),
     ],
 )
 def test_a_bad_table_is_named_with_what_is_wrong(tmp_path, monkeypatch, entries, says):

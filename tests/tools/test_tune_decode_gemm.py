@@ -38,6 +38,21 @@ def test_the_fastest_agreeing_config_is_kept_and_the_table_is_read_back(tmp_path
     assert decode_gemm.config_for(48, 96, torch.float32) == Config(32, 32, 2, 4)
 
 
+def test_the_fastest_at_one_token_and_the_fastest_at_more_are_kept_each(tmp_path, monkeypatch):
+    def timer(fn, args):  # block_n 4 the fastest at one token, 16 at more
+        if fn is torch.nn.functional.linear:
+            return 10.0
+        x, _, config = args
+        return {4: 1.0, 16: 3.0}[config.block_n] if x.shape[0] == 1 else {4: 30.0, 16: 5.0}[config.block_n]
+
+    configs = (Config(4, 64, 4, 16), Config(16, 32, 8, 16))
+    entry = gemm.measure(40, 96, torch.float32, tokens=(1, 2, 4), device="cpu", timer=timer, configs=configs)
+    assert entry["config"] == dict(block_n=4, block_k=64, warps=4) and entry["config_rows"] == dict(block_n=16, block_k=32, warps=8)
+    assert entry["fuser_us"] == {"1": 1.0, "2": 5.0, "4": 5.0} and entry["up_to"] == 4
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(gemm.write_table([entry], tmp_path, "TEST_GPU", {})))
+    assert decode_gemm.config_for(40, 96, torch.float32) == Config(4, 64, 4, 4, rows=(16, 32, 8))
+
+
 def test_a_config_that_disagrees_is_not_timed(monkeypatch):
     real = decode_gemm.linear
     monkeypatch.setattr(decode_gemm, "linear", lambda x, w, config, r=None: real(x, w, config, r) * (2 if config.block_n == 32 else 1))
