@@ -44,6 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuser.codegen.emit import forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
+from fuser.install.rounding import to_dtype
 
 #: Keys a block of the loop (rows of one ``tl.dot``); a slice of the keys is a multiple of it.
 BLOCK_S = 64
@@ -133,7 +134,7 @@ def _attend(
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + _product(p.to(v.dtype), v, EXACT)
+            acc = acc * alpha[:, None] + _product(to_dtype(p, v.dtype), v, EXACT)
             m_i = m_new
     if SLICED:
         row = (b * heads_kv * GROUP + heads) * tl.num_programs(1) + piece
@@ -142,7 +143,7 @@ def _attend(
         tl.store(stat_ptr + row * 2 + 1, l_i, mask=g_ok)
     else:
         out = acc / l_i[:, None]
-        tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -163,7 +164,7 @@ def _combine(part_ptr, stat_ptr, o_ptr, heads, o_b, o_h, SLICES: tl.constexpr, B
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
     parts = tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :], mask=j_ok[:, None], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(o_ptr + (bh // heads) * o_b + (bh % heads) * o_h + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+    tl.store(o_ptr + (bh // heads) * o_b + (bh % heads) * o_h + d, to_dtype(out, o_ptr.dtype.element_ty), mask=d < D)
 
 
 for _kernel in (_attend, _combine):

@@ -50,6 +50,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuser.codegen.emit import PDL_ROWS, forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
+from fuser.install.rounding import to_dtype
 from fuser.ir.device_tables import current_gpu, table_entries, table_file
 
 #: The environment variable naming one decode-GEMM table file, read instead of the GPU's own.
@@ -81,19 +82,40 @@ ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
-def _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K: tl.constexpr, stride_xm, stride_wn,
+def _row_chunk(x_ptr, a_ptr, rows, row_ok, ks, K: tl.constexpr, stride_xm, stride_am, EVEN_K: tl.constexpr, ADD: tl.constexpr):
+    """One chunk of the GEMM's input rows: ``x``, or ``x + a`` rounded to their dtype (a residual
+    add before the norm)."""
+    ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (ks < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=ok, other=0.0)
+    if ADD:
+        x = to_dtype(x.to(tl.float32) + tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=ok, other=0.0).to(tl.float32), x.dtype)
+    return x
+
+
+@triton.jit
+def _normed(x, nw_ptr, ks, K: tl.constexpr, rstd, NORM: tl.constexpr, EVEN_K: tl.constexpr):
+    """An RMSNorm of the chunk ``x`` (its rows' ``rstd`` given), each value rounded where eager
+    rounds it: 1 ``weight * (x * rstd).to(dtype)`` (transformers' Llama, Qwen, Mistral); 2
+    ``(x * rstd * weight).to(dtype)``, the weight in fp32; 3 ``(x * rstd * (1 + weight)).to(dtype)``
+    (Gemma's)."""
+    nw = (tl.load(nw_ptr + ks) if EVEN_K else tl.load(nw_ptr + ks, mask=ks < K, other=0.0)).to(tl.float32)[None, :]
+    xf = x.to(tl.float32) * rstd[:, None]
+    if NORM == 1:
+        return to_dtype(nw * to_dtype(xf, x.dtype).to(tl.float32), x.dtype)
+    if NORM == 2:
+        return to_dtype(xf * nw, x.dtype)
+    return to_dtype(xf * (1.0 + nw), x.dtype)
+
+
+@triton.jit
+def _dot_chunk(acc, x, w_ptr, cols, col_ok, ks, K: tl.constexpr, stride_wn,
                BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """``acc`` plus one chunk of the reduction: weight rows ``cols`` against every token row."""
+    """``acc`` plus one chunk of the reduction: weight rows ``cols`` against the rows' chunk ``x``."""
     w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-    x_at = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     if EVEN_N and EVEN_K:
         w = tl.load(w_at)
     else:
         w = tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-    if EVEN_K:
-        x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
-    else:
-        x = tl.load(x_at, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
     if BLOCK_M == 1:
         return acc + tl.expand_dims(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1), 0)
     if EXACT:  # fp32 operands (and bf16 in the interpreter): the products in fp32, not tf32
@@ -103,10 +125,10 @@ def _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K: tl.constexp
 
 @triton.jit
 def _decode_gemm(
-    x_ptr, w_ptr, r_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym,
+    x_ptr, w_ptr, r_ptr, y_ptr, a_ptr, nw_ptr, h_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym, stride_am, stride_hm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
@@ -116,26 +138,39 @@ def _decode_gemm(
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:  # the norm's prologue: each program the rows' mean square, over the whole reduction
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            x = _row_chunk(x_ptr, a_ptr, rows, row_ok, ks, K, stride_xm, stride_am, EVEN_K, ADD)
+            squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+            if ADD and tl.program_id(0) == 0:  # the sum, the residual the layer goes on with: by one program
+                ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (ks < K)[None, :]
+                tl.store(h_ptr + rows[:, None] * stride_hm + ks[None, :], x, mask=ok)
+        rstd = tl.rsqrt(squares / K + eps)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        acc = _dot_chunk(acc, x_ptr, w_ptr, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N, EVEN_K, EXACT)
+        x = _row_chunk(x_ptr, a_ptr, rows, row_ok, ks, K, stride_xm, stride_am, EVEN_K, ADD)
+        if NORM:
+            x = _normed(x, nw_ptr, ks, K, rstd, NORM, EVEN_K)
+        acc = _dot_chunk(acc, x, w_ptr, cols, col_ok, ks, K, stride_wn, BLOCK_M, EVEN_N, EVEN_K, EXACT)
         if GATE:  # the pair's second half: weight rows N + cols
-            up = _dot_chunk(up, x_ptr, w_ptr + N * stride_wn, rows, row_ok, cols, col_ok, ks, K, stride_xm, stride_wn, BLOCK_M, EVEN_N,
-                            EVEN_K, EXACT)  # fmt: skip
+            up = _dot_chunk(up, x, w_ptr + N * stride_wn, cols, col_ok, ks, K, stride_wn, BLOCK_M, EVEN_N, EVEN_K, EXACT)
     out = rows[:, None] * stride_ym + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     dtype = y_ptr.dtype.element_ty
     if GATE:  # each rounded where eager rounds it: both halves, the activation, the product
-        gate = acc.to(dtype).to(tl.float32)
+        gate = to_dtype(acc, dtype).to(tl.float32)
         if GATE == 1:  # silu
             gate = gate / (1.0 + tl.exp(-gate))
         else:  # the tanh GELU
             inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
             gate = 0.5 * gate * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-        acc = gate.to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        acc = to_dtype(gate, dtype).to(tl.float32) * to_dtype(up, dtype).to(tl.float32)
     if ACCUMULATE:
         acc += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + out, acc.to(dtype), mask=ok)
+    tl.store(y_ptr + out, to_dtype(acc, dtype), mask=ok)
 
 
 forbid_compile_during_capture(_decode_gemm, Path(__file__))  # warm-ups at each shape compile it first
@@ -165,34 +200,67 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None, residua
     return _run(x, weight, config, weight.shape[0], residual=residual)
 
 
-def gated(x: torch.Tensor, weight: torch.Tensor, config: Config, activation: str) -> torch.Tensor:
+def gated(x: torch.Tensor, weight: torch.Tensor, config: Config, activation: str, norm: Norm | None = None):
     """``act(a) * b`` of ``a, b = F.linear(x, weight).chunk(2, -1)`` by the kernel, in one launch
-    (``act`` of :data:`ACTIVATIONS`; the caller has asked :func:`takes`)."""
+    (``act`` of :data:`ACTIVATIONS`; the caller has asked :func:`takes`); of ``x`` normed first
+    where ``norm`` is given (as :func:`normed`)."""
     if weight.shape[0] % 2:
         raise ValueError(f"a gated pair's weight has an even number of rows (its two halves); has {tuple(weight.shape)}")
-    return _run(x, weight, config, weight.shape[0] // 2, gate=ACTIVATIONS[activation])
+    return _run(x, weight, config, weight.shape[0] // 2, gate=ACTIVATIONS[activation], norm=norm)
 
 
-def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0) -> torch.Tensor:
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm the kernel applies to its input rows first (its prologue): of ``x``, or of
+    ``x + added`` (then also returned: the residual the layer goes on with)."""
+
+    form: str  # of NORMS
+    weight: torch.Tensor
+    eps: float
+    added: torch.Tensor | None = None
+
+
+#: The RMSNorm forms of the prologue, by how each rounds (``_normed``): transformers' Llama's
+#: ``weight * x.to(dtype)``, an fp32 weight's ``(x * weight).to(dtype)``, Gemma's ``1 + weight``.
+NORMS = {"weight_after_cast": 1, "weight_in_fp32": 2, "one_plus_weight": 3}
+
+
+def normed(x: torch.Tensor, weight: torch.Tensor, config: Config, norm: Norm):
+    """``F.linear(rmsnorm(x), weight)`` by the kernel in one launch, each program computing the
+    rows' mean square itself (the caller has asked :func:`takes`); with ``norm.added``, of
+    ``rmsnorm(x + added)``, returning ``(out, x + added)``."""
+    return _run(x, weight, config, weight.shape[0], norm=norm)
+
+
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` as rows of ``k``, each contiguous."""
+    flat = t.reshape(-1, k)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0, norm: Norm | None = None) -> torch.Tensor:
     k = weight.shape[1]
-    flat = x.reshape(-1, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = _rows(x, k)
     rows = flat.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     r = residual.reshape(rows, n) if residual is not None else out
+    added = _rows(norm.added, k) if norm is not None and norm.added is not None else flat
+    h = torch.empty_like(flat) if norm is not None and norm.added is not None else flat
     block_n, block_k, warps = config.at(rows)
     block_k = chunk(block_k, triton.next_power_of_2(rows), k)
     # one row: summed on the CUDA cores; more: one tl.dot a chunk, rows and columns padded to 16
     block_m, block_n = (1, block_n) if rows == 1 else (max(16, triton.next_power_of_2(rows)), max(16, block_n))
     pdl = config.pdl and rows <= PDL_ROWS
     _launch[(triton.cdiv(n, block_n),)](
-        flat, weight, r, out, rows, n, flat.stride(0), weight.stride(0), r.stride(0), out.stride(0),
+        flat, weight, r, out, added, norm.weight if norm is not None else flat, h, rows, n, flat.stride(0), weight.stride(0), r.stride(0),
+        out.stride(0), added.stride(0), h.stride(0), norm.eps if norm is not None else 0.0,
         K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, EXACT=_exact(x.dtype),
+        NORM=NORMS[norm.form] if norm is not None else 0, ADD=norm is not None and norm.added is not None,
         num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
-    return out.view(*x.shape[:-1], n)
+    out = out.view(*x.shape[:-1], n)
+    return (out, h.view(x.shape)) if norm is not None and norm.added is not None else out
 
 
 def _exact(dtype: torch.dtype) -> bool:

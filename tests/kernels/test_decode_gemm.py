@@ -38,6 +38,44 @@ def test_the_kernel_is_the_linear_layer(dtype, n, k, rows, residual):
         assert got.dtype == dtype and got.shape == (rows, n)
 
 
+def rmsnorm(x, weight, eps, form):
+    """Each form of the prologue's RMSNorm as eager computes it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if form == "weight_after_cast":
+        return weight * xf.to(x.dtype)
+    if form == "weight_in_fp32":
+        return (xf * weight).to(x.dtype)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k", [(37, 100), (96, 512)])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("form", list(decode_gemm.NORMS))
+@pytest.mark.parametrize("added", [False, True], ids=["norm", "add+norm"])
+def test_the_kernel_with_the_norm_s_prologue_is_the_norm_then_the_linear_layer(dtype, n, k, rows, form, added):
+    g = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    a = torch.randn(rows, k, generator=g).to(dtype) if added else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    h = x + a if added else x
+    expected = reference(rmsnorm(h, nw, 1e-5, form), w)
+    atol, rtol = TOLERANCES[dtype]
+    for config in (Config(block_n=32, block_k=64, warps=4, up_to=16), Config(block_n=4, block_k=512, warps=4, up_to=16)):
+        got = decode_gemm.normed(x, w, config, decode_gemm.Norm(form, nw, 1e-5, a))
+        if added:
+            got, got_h = got
+            assert torch.equal(got_h, h)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+        gate = decode_gemm.gated(x, torch.cat([w, w.flip(0)]), config, "silu", decode_gemm.Norm(form, nw, 1e-5, a))
+        gate = gate[0] if added else gate
+        normed_h = rmsnorm(h, nw, 1e-5, form)
+        expected_gate = (F.silu(reference(normed_h, w)) * reference(normed_h, w.flip(0))).to(dtype)
+        torch.testing.assert_close(gate, expected_gate, atol=2 * atol, rtol=2 * rtol)
+
+
 def test_the_chunk_narrows_with_the_rows_and_the_reduction():
     assert [chunk(2048, m, 8192) for m in (1, 2, 8, 16)] == [2048, 1024, 256, 128]
     assert chunk(2048, 1, 100) == 128  # never wider than the reduction (a power of 2)
