@@ -66,6 +66,8 @@ class Report:
     gated_in_gemm: list[str] = field(default_factory=list)  # gated activations the decode GEMM kernel computes
     gated_apart: dict[str, str] = field(default_factory=dict)  # gated activations of a merged gate/up pair left apart -> why
     decode_attention: list[str] = field(default_factory=list)  # attention calls on fuser's decode attention kernel
+    norm_in_gemm: list[str] = field(default_factory=list)  # RMSNorms the decode GEMM kernel computes as its prologue
+    norms_apart: dict[str, str] = field(default_factory=dict)  # RMSNorms read by a GEMM on the kernel left apart -> why
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -157,6 +159,12 @@ class Report:
         if self.gated_apart:
             lines += ["", "gated activations of a merged gate/up projection left apart from its GEMM:"]
             lines += [f"  {what}: {why}" for what, why in self.gated_apart.items()]
+        if self.norm_in_gemm:
+            lines += ["", "RMSNorms computed by the decode GEMM kernel that reads them, as its prologue (no launch for them at the "
+                          "table's sizes): " + ", ".join(self.norm_in_gemm)]
+        if self.norms_apart:
+            lines += ["", "RMSNorms read by a GEMM on the decode GEMM kernel left apart from it:"]
+            lines += [f"  {what}: {why}" for what, why in self.norms_apart.items()]
         if self.decode_attention:
             lines += ["", "attention calls on fuser's decode attention kernel at one query row (PyTorch's at any other call): "
                           + ", ".join(self.decode_attention)]

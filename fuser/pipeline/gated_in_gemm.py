@@ -208,6 +208,7 @@ def gated_linear(config: decode_gemm.Config, activation: str, rest: Callable) ->
         half = weight.shape[0] // 2
         return rest(out[..., :half], out[..., half:])
 
+    gated_by_kernel.gated = (config, activation)  # (read by fuser.pipeline.norm_in_gemm)
     return gated_by_kernel
 
 

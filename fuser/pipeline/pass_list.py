@@ -42,6 +42,7 @@ from fuser.pipeline.activation_in_gemm import activations_in_gemm
 from fuser.pipeline.decode_gemms import decode_gemms
 from fuser.pipeline import decode_attentions
 from fuser.pipeline.gated_in_gemm import gated_in_gemm
+from fuser.pipeline.norm_in_gemm import norm_in_gemm
 from fuser.pipeline.next_layer_entry import add_next_entries
 from fuser.pipeline.upcast_in_gemm import upcasts_in_gemm
 from fuser.pipeline.passes import Planning, planning
@@ -92,6 +93,8 @@ class Fusing:
     decode_gemms_untimed: list[str] = field(default_factory=list)  # decode_gemm: GEMM shapes on a CUDA GPU the table lacks
     gated_in_gemm: list[str] = field(default_factory=list)  # gated_in_gemm: the gated activations the decode GEMM computes
     gated_apart: dict[str, str] = field(default_factory=dict)  # gated_in_gemm: those of a merged pair left apart -> why
+    norm_in_gemm: list[str] = field(default_factory=list)  # norm_in_gemm: the norms the decode GEMM computes
+    norms_apart: dict[str, str] = field(default_factory=dict)  # norm_in_gemm: those read by one left apart -> why
     decode_attention: list[str] = field(default_factory=list)  # decode_attention: the attention calls on fuser's kernel
     forward: Callable | None = None  # compile_forward
 
@@ -273,6 +276,13 @@ def gated_by_gemm(f: Fusing) -> None:
     # (a product's kernel stays in the plan: it runs past the table's sizes, after PyTorch's GEMM)
 
 
+def norm_by_gemm(f: Fusing) -> None:
+    before = {n.name for n in f.graph.nodes}
+    f.norm_in_gemm, f.norms_apart = norm_in_gemm(f.graph, f.traced, f.cops, [k.region for k in f.shared], [k.region for k in f.taken])
+    _drop_erased_survivors(f, before)
+    # (a norm's kernel stays in the plan: it runs past the table's sizes, before PyTorch's GEMM)
+
+
 def decode_attention_kernel(f: Fusing) -> None:
     pdl = "pdl" not in f.off and passes.has_pdl(f.traced)
     f.decode_attention = decode_attentions.decode_attentions(f.graph, decode_attentions.on_gpu(f.traced.example_inputs), pdl)
@@ -313,6 +323,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("residual_in_gemm", residual_adds_in_gemm, "a residual added to a linear layer's output, in a buffer nothing else reads, added by the GEMM itself (addmm_, beta = 1): no launch for the add"),
     Pass("decode_gemm", decode_gemm_kernels, "linear layers whose weight shape this GPU's decode-GEMM table holds run on fuser's GEMM kernel at decode sizes (none without a table)"),
     Pass("gated_in_gemm", gated_by_gemm, "the gated activation act(gate)·up of a merged gate/up GEMM on the decode GEMM kernel computed by that kernel (the halves' columns in one program): no launch for it"),
+    Pass("norm_in_gemm", norm_by_gemm, "an RMSNorm (of a residual add too) whose output only a GEMM on the decode GEMM kernel reads computed by that kernel as its prologue: no launch for it"),
     Pass("decode_attention", decode_attention_kernel, "attention calls of one query row (a decode step) on fuser's decode attention kernel, on a CUDA GPU: the query heads of a key head as one tile, the keys in slices, blocks the mask hides not read"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip

@@ -234,3 +234,27 @@ def test_compiled_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, r
     for config in (Config(16, 128, 4, 16), Config(4, 2048, 4, 16, pdl=True)):
         for _ in range(2):  # Triton's dispatch, then the binary's own launcher
             torch.testing.assert_close(decode_gemm.gated(x, w, config, activation), gated_reference(x, w, activation), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k", [(3072, 2048), (6144, 4096)])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("added", [False, True], ids=["norm", "add+norm"])
+def test_compiled_kernel_with_the_norm_s_prologue(dtype, n, k, rows, added):
+    g = torch.Generator("cuda").manual_seed(n + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    a = torch.randn(rows, k, device="cuda", generator=g).to(dtype) if added else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    h = x + a if added else x
+    atol, rtol = TOLERANCES[dtype]
+    for form in decode_gemm.NORMS:
+        expected = reference(rmsnorm(h, nw, 1e-5, form), w)
+        for config in (Config(8, 2048, 4, 16, pdl=True), Config(16, 512, 8, 16)):
+            for _ in range(2):  # Triton's dispatch, then the binary's own launcher
+                got = decode_gemm.normed(x, w, config, decode_gemm.Norm(form, nw, 1e-5, a))
+                if added:
+                    got, got_h = got
+                    assert torch.equal(got_h, h)
+                torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)

@@ -42,6 +42,7 @@ NAMES = [
     "residual_in_gemm",
     "decode_gemm",
     "gated_in_gemm",
+    "norm_in_gemm",
     "decode_attention",
     "compile_forward",
 ]
