@@ -82,6 +82,8 @@ def norm_in_gemm(graph: fx.Graph, traced: Traced, cops: dict, shared: list, hand
                 continue
             kernel, added = found
             outputs = kernel.meta[REGION_META].outputs
+            if any(u.op != "call_function" or u.target is not operator.getitem for u in kernel.users):
+                continue
             items = {u.args[1]: u for u in kernel.users}
             normed = items.get(outputs.index(m.outputs[0]))
             readers = [u for u in normed.users if not _reads_shape(u)] if normed is not None else []
@@ -97,8 +99,8 @@ def norm_in_gemm(graph: fx.Graph, traced: Traced, cops: dict, shared: list, hand
             if any(kernel.meta[REGION_META] is r for r in handed_over):
                 apart[what] = "its kernel takes the norm the layer before computed (glue across layers)"
                 continue
-            _rewrite(graph, kernel, items, outputs, m, added, gemm, normed, form)
             done.append(f"{what}: by the decode GEMM kernel of {_weight_name(gemm)}")
+            _rewrite(graph, kernel, items, outputs, m, added, gemm, normed, form)
     graph.lint()
     return done, apart
 
