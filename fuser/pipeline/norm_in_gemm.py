@@ -99,6 +99,10 @@ def norm_in_gemm(graph: fx.Graph, traced: Traced, cops: dict, shared: list, hand
             if any(kernel.meta[REGION_META] is r for r in handed_over):
                 apart[what] = "its kernel takes the norm the layer before computed (glue across layers)"
                 continue
+            read = set(kernel.meta[REGION_META].inputs)
+            if not ({m.inputs[1], *(added.args if added is not None else m.inputs[:1])} <= read):
+                apart[what] = "its kernel reads the norm's inputs through ops of its own (an identity dropout, a view)"
+                continue
             done.append(f"{what}: by the decode GEMM kernel of {_weight_name(gemm)}")
             _rewrite(graph, kernel, items, outputs, m, added, gemm, normed, form)
     graph.lint()

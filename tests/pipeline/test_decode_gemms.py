@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fuser
-from fuser.install import decode_gemm
+from fuser.install import decode_gemm, kv_cache
 from fuser.install.splice import STATE_ATTR
 from fuser.pipeline import decode_gemms, passes
 from fuser.validate.tolerance import LAYER, mismatch
@@ -60,9 +60,10 @@ def test_a_model_s_gemms_run_on_the_kernel_and_decode_as_eager(tmp_path, monkeyp
     launches.clear(), gated.clear()
     eager = greedy(eager_model, copy.deepcopy(cache), tokens)
     fused = greedy(model, copy.deepcopy(cache), tokens)
-    # four GEMMs a layer, two layers, each step: gate/up with its gated activation (gated_in_gemm);
-    # and the LM head, its 128×64 weight of a shape the table holds (the merged q/k/v's)
-    assert (len(launches), len(gated)) == ((3 * 2 + 1) * len(fused), 2 * len(fused))
+    # four GEMMs a layer, two layers, each step: gate/up with its gated activation (gated_in_gemm),
+    # q/k/v with the input norm (norm_in_gemm); and the LM head, its 128×64 weight of a shape the
+    # table holds (the merged q/k/v's)
+    assert (len(launches), len(gated)) == ((2 * 2 + 1) * len(fused), 2 * len(fused))
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
@@ -90,6 +91,7 @@ def test_the_kernel_is_launched_with_pdl_where_the_pdl_pass_is_on_and_the_gpu_ha
     cache, tokens = prefilled(model)
     monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, shapes(model.model.layers[0])))
     monkeypatch.setattr(passes, "has_pdl", lambda traced: True)  # as on an H100: the interpreter has no PDL
+    monkeypatch.setattr(kv_cache, "updater", lambda pdl: kv_cache.update)  # (the cache's write: its own PDL test is on the GPU)
     configs = []
     real = decode_gemm.linear
     monkeypatch.setattr(decode_gemm, "linear", lambda x, w, config, *a: configs.append(config) or real(x, w, dataclasses.replace(config, pdl=False), *a))

@@ -74,3 +74,17 @@ def test_without_a_table_nothing_is_said_or_changed(monkeypatch):
     cache, tokens = prefilled(model)
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache))).groups[0].report
     assert report.norm_in_gemm == [] and report.norms_apart == {}
+
+
+def test_a_norm_whose_kernel_reads_its_inputs_through_other_ops_is_left_apart_with_its_reason(tmp_path, monkeypatch):
+    # Phi-3 adds the attention's output through an identity dropout before its post-attention
+    # norm: that norm's kernel reads the dropout's input, the add's operand is another node.
+    model = causal_lm("phi3", layers=1)
+    cache, tokens = prefilled(model)
+    layer = model.model.layers[0]
+    found = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, torch.nn.Linear)}
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, write_table(tmp_path, found))
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache))).groups[0].report
+    assert report is not None
+    assert any("through ops of its own" in why for why in report.norms_apart.values()), report.text()
+    assert len(report.norm_in_gemm) == 1 and "of an add" not in report.norm_in_gemm[0], report.text()
