@@ -26,7 +26,8 @@ heads), the last dim contiguous, one dtype (fp32, fp16, bf16) on a CUDA GPU (or 
 interpreter), a mask of none, or additive of the query's dtype or boolean, broadcastable to
 ``[batch, heads, 1, keys]``; no dropout, not ``is_causal`` (which at one query row would be the
 first key alone). Anything else runs PyTorch's. Launched with programmatic dependent launch where
-the ``pdl`` pass is on and the GPU has it (waiting first, like fuser's row programs).
+the ``pdl`` pass is on and the GPU has it (waiting first, like fuser's row programs). A fused
+graph calls it for one sequence (:data:`MAX_BATCH`); more run PyTorch's.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ BLOCK_S = 64
 MIN_ROWS = 16
 #: The most heads of a key head's group (beyond it, PyTorch's: a program's registers).
 MAX_GROUP = 64
+#: The most sequences a call the kernel takes: one. At batch 8 on an H100 cuDNN's attention was
+#: the faster (Llama-3.2-1B's step 1356 µs on cuDNN's, 1413 on the kernel; at batch 1 1114 and
+#: 1080: benchmarks/results/README.md).
+MAX_BATCH = 1
 #: Programs a call aims at (about an H100's or H200's SMs): the keys are sliced until there are as many.
 PROGRAMS = 132
 #: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
@@ -256,10 +261,13 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
 @functools.lru_cache(maxsize=None)
 def launcher(pdl: bool):
-    """``F.scaled_dot_product_attention`` by :func:`attention`, launched with PDL where ``pdl``:
-    what a fused graph calls."""
+    """``F.scaled_dot_product_attention`` by :func:`attention` for up to :data:`MAX_BATCH`
+    sequences, launched with PDL where ``pdl``: what a fused graph calls."""
 
     def decode_attention(*args, **kwargs):
+        q = args[0] if args else kwargs.get("query")
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] > MAX_BATCH:
+            return F.scaled_dot_product_attention(*args, **kwargs)
         return attention(*args, **kwargs, pdl=pdl)
 
     decode_attention.decode_attention_pdl = pdl

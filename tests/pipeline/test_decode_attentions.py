@@ -1,6 +1,6 @@
 """fuser.pipeline.decode_attentions: on a GPU, a model's attention calls run on fuser's decode
-attention kernel at one query row, and greedy decode gives eager's logits; switched off, or on
-the CPU, the calls are PyTorch's."""
+attention kernel at one query row of up to MAX_BATCH sequences, and greedy decode gives eager's
+logits; more sequences, switched off, or on the CPU, the calls are PyTorch's."""
 
 import copy
 
@@ -42,6 +42,9 @@ def test_a_model_s_attention_runs_on_the_kernel_and_decode_is_eager_s(monkeypatc
     calls = kernel_calls(monkeypatch)
     eager = greedy(eager_model, copy.deepcopy(cache), tokens)
     fused = greedy(model, copy.deepcopy(cache), tokens)
+    assert calls == [], calls  # BATCH sequences: more than the kernel is called for, PyTorch's
+    monkeypatch.setattr(decode_attention, "MAX_BATCH", BATCH)
+    fused = greedy(model, copy.deepcopy(cache), tokens)
     assert len(calls) == 2 * len(fused) and all(shape[0] == BATCH and shape[2] == 1 for shape in calls), calls
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
@@ -58,5 +61,6 @@ def test_switched_off_or_on_the_cpu_the_calls_are_pytorch_s(monkeypatch, how):
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)), disable_passes=off)
     assert report.groups[0].report.decode_attention == []
     calls = kernel_calls(monkeypatch)
+    monkeypatch.setattr(decode_attention, "MAX_BATCH", BATCH)
     greedy(model, copy.deepcopy(cache), tokens)
     assert calls == []
