@@ -152,17 +152,19 @@ def _attend(
 
 
 @triton.jit
-def _combine(part_ptr, stat_ptr, o_ptr, heads, o_b, o_h, SLICES: tl.constexpr, BLOCK_SLICES: tl.constexpr,
+def _combine(part_ptr, stat_ptr, o_ptr, heads, o_b, o_h, slices, BLOCK_SLICES: tl.constexpr,
              D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """One program a query head: its slices' weighted values, rescaled to the largest max and summed."""
+    """One program a query head: its slices' weighted values, rescaled to the largest max and
+    summed. (The count of slices is an argument: a cache that grows a key a step compiles nothing
+    new.)"""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     bh = tl.program_id(0)
     j = tl.arange(0, BLOCK_SLICES)
     d = tl.arange(0, BLOCK_D)
-    j_ok = j < SLICES
-    row = bh * SLICES + j
+    j_ok = j < slices
+    row = bh * slices + j
     m = tl.load(stat_ptr + row * 2, mask=j_ok, other=float("-inf"))
     l = tl.load(stat_ptr + row * 2 + 1, mask=j_ok, other=0.0)
     top = tl.max(m, axis=0)
@@ -252,9 +254,11 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         MASK=kind, SLICED=sliced, EXACT=_exact(q.dtype), PDL=pdl, HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if sliced:
+        block_slices = triton.next_power_of_2(max(1, PROGRAMS // (batch * heads_kv)))  # the most slices at any key count
         _combine_launch[(batch * heads,)](
-            parts, stats, out, heads, out.stride(0), out.stride(1), SLICES=pieces, BLOCK_SLICES=triton.next_power_of_2(pieces),
-            D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1, launch_pdl=pdl,
+            parts, stats, out, heads, out.stride(0), out.stride(1), pieces,
+            BLOCK_SLICES=block_slices, D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1 if block_slices * block_d <= 2048 else 4,
+            launch_pdl=pdl,
         )  # fmt: skip
     return out
 

@@ -156,3 +156,16 @@ def test_compiled_kernel_is_sdpa_at_one_query_row(dtype, batch, heads, heads_kv,
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(got, sdpa, atol=atol, rtol=rtol)
+
+
+def test_a_cache_that_grows_launches_the_same_binaries(monkeypatch):
+    # A dynamic cache grows a key a step: the kernels' constants (what Triton compiles a binary
+    # for) must not follow the key count, or decode would compile as it goes.
+    constants = []
+    for name in ("_attend_launch", "_combine_launch"):
+        monkeypatch.setattr(decode_attention, name, type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: constants.append(
+            tuple(sorted((key, v) for key, v in k.items() if key.isupper())))})())  # fmt: skip
+    for keys in (130, 300, 700, 1000):
+        q, k, v = inputs(1, 8, 2, keys, 64, torch.bfloat16)
+        attention(q, k, v, static_cache_mask(1, keys, [keys - 5], torch.bfloat16), enable_gqa=True)
+    assert len(constants) == 8 and len(set(constants)) == 2, set(constants)  # one of each kernel
