@@ -45,7 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuser.codegen.emit import forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
-from fuser.install.rounding import to_dtype
+from fuser.install.rounding import exact_products, to_dtype
 
 #: Keys a block of the loop (rows of one ``tl.dot``); a slice of the keys is a multiple of it.
 BLOCK_S = 64
@@ -73,11 +73,6 @@ def _product(a, b, EXACT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
 
-
-def _exact(dtype: torch.dtype) -> bool:
-    """fp32 operands, and bf16 ones in Triton's interpreter (whose bf16 ``tl.dot`` is wrong; a
-    bf16 product is exact in fp32, as the tensor cores compute it)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -251,7 +246,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *m_strides, out.stride(0), out.stride(1),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
-        MASK=kind, SLICED=sliced, EXACT=_exact(q.dtype), PDL=pdl, HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
+        MASK=kind, SLICED=sliced, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if sliced:
         block_slices = triton.next_power_of_2(max(1, PROGRAMS // (batch * heads_kv)))  # the most slices at any key count

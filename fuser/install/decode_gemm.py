@@ -38,7 +38,6 @@ linear layer whose shape has no entry, or a call with more rows than ``up_to``, 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuser.codegen.emit import PDL_ROWS, forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
-from fuser.install.rounding import to_dtype
+from fuser.install.rounding import exact_products, to_dtype
 from fuser.ir.device_tables import current_gpu, table_entries, table_file
 
 #: The environment variable naming one decode-GEMM table file, read instead of the GPU's own.
@@ -244,8 +243,9 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0, norm: 
     rows = flat.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     r = residual.reshape(rows, n) if residual is not None else out
-    added = _rows(norm.added, k) if norm is not None and norm.added is not None else flat
-    h = torch.empty_like(flat) if norm is not None and norm.added is not None else flat
+    adds = norm is not None and norm.added is not None  # a residual added before the norm: its sum returned too
+    added = _rows(norm.added, k) if adds else flat
+    h = torch.empty_like(flat) if adds else flat
     block_n, block_k, warps = config.at(rows)
     block_k = chunk(block_k, triton.next_power_of_2(rows), k)
     # one row: summed on the CUDA cores; more: one tl.dot a chunk, rows and columns padded to 16
@@ -255,18 +255,13 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0, norm: 
         flat, weight, r, out, added, norm.weight if norm is not None else flat, h, rows, n, flat.stride(0), weight.stride(0), r.stride(0),
         out.stride(0), added.stride(0), h.stride(0), norm.eps if norm is not None else 0.0,
         K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, EXACT=_exact(x.dtype),
-        NORM=NORMS[norm.form] if norm is not None else 0, ADD=norm is not None and norm.added is not None,
+        EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, EXACT=exact_products(x.dtype),
+        NORM=NORMS[norm.form] if norm is not None else 0, ADD=adds,
         num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     out = out.view(*x.shape[:-1], n)
-    return (out, h.view(x.shape)) if norm is not None and norm.added is not None else out
+    return (out, h.view(x.shape)) if adds else out
 
-
-def _exact(dtype: torch.dtype) -> bool:
-    """fp32 operands, and bf16 ones in Triton's interpreter (whose bf16 ``tl.dot`` is wrong; a
-    bf16 product is exact in fp32, as the tensor cores compute it)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # --- the table -----------------------------------------------------------------------------------

@@ -224,8 +224,13 @@ def copies_installed(f: Fusing) -> None:
     install_copies(f.graph, f.copies)
 
 
+def _pdl(f: Fusing) -> bool:
+    """Are the kernels a rewrite puts in the graph launched with PDL (the ``pdl`` pass on, the GPU has it)?"""
+    return "pdl" not in f.off and passes.has_pdl(f.traced)
+
+
 def static_cache_write(f: Fusing) -> None:
-    f.cache_writes = write_in_one_kernel(f.graph, f.traced, pdl="pdl" not in f.off and passes.has_pdl(f.traced))
+    f.cache_writes = write_in_one_kernel(f.graph, f.traced, pdl=_pdl(f))
 
 
 def merged_projection_groups(f: Fusing) -> None:
@@ -265,8 +270,7 @@ def residual_adds_in_gemm(f: Fusing) -> None:
 
 
 def decode_gemm_kernels(f: Fusing) -> None:
-    pdl = "pdl" not in f.off and passes.has_pdl(f.traced)
-    f.decode_gemms, f.uncalled, f.decode_gemms_untimed = decode_gemms(f.graph, f.module, f.merged, pdl)
+    f.decode_gemms, f.uncalled, f.decode_gemms_untimed = decode_gemms(f.graph, f.module, f.merged, _pdl(f))
 
 
 def gated_by_gemm(f: Fusing) -> None:
@@ -284,8 +288,7 @@ def norm_by_gemm(f: Fusing) -> None:
 
 
 def decode_attention_kernel(f: Fusing) -> None:
-    pdl = "pdl" not in f.off and passes.has_pdl(f.traced)
-    f.decode_attention = decode_attentions.decode_attentions(f.graph, decode_attentions.on_gpu(f.traced.example_inputs), pdl)
+    f.decode_attention = decode_attentions.decode_attentions(f.graph, decode_attentions.on_gpu(f.traced.example_inputs), _pdl(f))
 
 
 def compiled_forward(f: Fusing) -> None:
