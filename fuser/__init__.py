@@ -39,6 +39,7 @@ from fuser.model.fuse_model import ModelReport
 from fuser.model.lazy_model import restore
 from fuser.pattern import Param, PatternError, tensor
 from fuser.trace.refusal import TraceRefused
+from fuser.trace.state_objects import trace_through
 
 
 def _version() -> str:
@@ -64,6 +65,6 @@ if _TRITON_BEFORE_FUSER and interpreter_problem():  # (an explicit TRITON_INTERP
     warnings.warn(f"fuser: {interpreter_problem()}", RuntimeWarning, stacklevel=2)
 
 __all__ = [
-    "__version__", "interpreter_problem", "apply", "restore", "explain", "check", "plan", "stats", "opaque", "is_opaque", "is_fused",
+    "__version__", "interpreter_problem", "apply", "restore", "explain", "check", "plan", "stats", "opaque", "is_opaque", "is_fused", "trace_through",
     "Param", "tensor", "Report", "ModelReport", "CheckResult", "FuserError", "PatternError", "TraceRefused", "CaptureCompileError",
 ]  # fmt: skip

@@ -58,6 +58,10 @@ class Guard:
     # a call was declined for such a dim, at a size whose next (a cache grows by one a step)
     # lies clear of those literals: a fuse from the next call would leave the dim free
     declined_near_literal: bool = False
+    # branches on the token count taken as traced (fuser.trace.proxy.TokenRange), and where the
+    # call's token count is read: (graph input name, its batch dim, its rows per token)
+    token_ranges: tuple = ()
+    token_input: tuple[str, int, int] | None = None
 
     @classmethod
     def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None, free=None, near_literals=None) -> "Guard":
@@ -71,7 +75,10 @@ class Guard:
             batch, any_size = traced.batch_inputs.get(name), (free or {}).get(name, ())
             sizes = tuple(None if i == batch else ANY if i in any_size else s for i, s in enumerate(value.shape))
             specs.append((name, (value.dtype, value.device, sizes)))
-        return cls(traced.call, specs, predicate, tuple(traced.state_reads), dict(near_literals or {}))
+        token_input = next(((n, traced.batch_inputs[n], traced.batch_rows.get(n, 1)) for n in traced.input_names
+                            if n in traced.batch_inputs), None)
+        return cls(traced.call, specs, predicate, tuple(traced.state_reads), dict(near_literals or {}),
+                   token_ranges=tuple(traced.token_ranges), token_input=token_input)
 
     def why_not(self, args, kwargs) -> str | None:
         """None when the fused forward applies to this call, else the reason it does not."""
@@ -82,6 +89,8 @@ class Guard:
         tensors, reason = self.call.flatten(args, kwargs)
         if reason is None:
             reason = self._mismatch(tensors)
+        if reason is None and self.token_ranges:
+            reason = self._tokens_outside(tensors)
         if reason is None and self.state_reads:
             reason = self._state_changed(tensors)
         if reason is None and self.predicate is not None and not self.predicate(*args, **kwargs):
@@ -90,10 +99,20 @@ class Guard:
             return None, reason
         return tensors, None
 
+    def _tokens_outside(self, tensors) -> str | None:
+        name, dim, rows = self.token_input
+        value = tensors[[n for n, _ in self.traced].index(name)]
+        tokens = value.shape[dim] // rows
+        for branch in self.token_ranges:
+            if not branch.holds(tokens):
+                return f"{tokens} tokens: a branch on the token count was traced for {branch.shown()} ({branch.where})"
+        return None
+
     def _state_changed(self, tensors) -> str | None:
         states = {name: value for (name, spec), value in zip(self.traced, tensors) if spec is None}
+        inputs = {name: value for (name, _), value in zip(self.traced, tensors)}
         for read in self.state_reads:
-            why = read.differs(states[read.state])
+            why = read.differs(states[read.state], inputs)
             if why is not None:
                 return why
         return None

@@ -52,6 +52,7 @@ class Report:
     precomputed: list[str] = field(default_factory=list)  # parameter-only glue, computed at apply
     literals: dict = field(default_factory=dict)  # module scalar attributes fused in as literals: path -> value
     state_reads: dict = field(default_factory=dict)  # what the trace read off state objects: path -> how it reads
+    token_ranges: list = field(default_factory=list)  # branches on the token count taken as traced: "line: counts"
     free_sizes: dict = field(default_factory=dict)  # input -> dims of any size at each call (fuser.install.free_sizes)
     sizes_near_literals: dict = field(default_factory=dict)  # input -> dims held only by a literal next to their size
     merged_projections: list[str] = field(default_factory=list)  # linear layers run as one GEMM ("a + b + c")
@@ -178,6 +179,9 @@ class Report:
         if self.state_reads:
             values = ", ".join(f"{k}={v}" for k, v in self.state_reads.items())
             lines += ["", f"read off the call's state as traced (a call where one differs runs eager): {values}"]
+        if self.token_ranges:
+            lines += ["", "branches on the token count taken as traced (a call with another count runs eager): "
+                          + ", ".join(self.token_ranges)]
         if self.free_sizes:
             values = ", ".join(f"{k} dims {v}" for k, v in self.free_sizes.items())
             lines += ["", "inputs that reach no kernel (or only a kernel of the call's inputs alone, which runs their glue as "

@@ -102,6 +102,7 @@ def plan(
     report.precomputed = [n.name for n in constants]
     report.literals = captured_literals(module, traced)
     report.state_reads = {r.label(): r.shown() for r in traced.state_reads}
+    report.token_ranges = [f"{r.where}: for {r.shown()}" for r in traced.token_ranges]
     report.automatic_leaves = [dict(name=a.name, where=a.where, reason=a.reason) for a in traced.automatic_leaves]
     report.attention_calls = [r.line() for r in traced.attention_calls]
     report.shared = [k.path.stem for k in f.shared]

@@ -17,7 +17,14 @@ is its engine's and describes it in one :class:`Engine`:
   may call, read as guarded values (:class:`fuser.serving.global_reads.GlobalReads`);
 * ``declare_weight_caches`` (optional): how to tell the engine that fuser holds values computed
   from its weights at fuse time (sglang: ``model._derived_weight_cache_error``);
-* ``no_targets`` (optional): why a layer of this engine may have nothing to fuse, for its log line.
+* ``no_targets`` (optional): why a layer of this engine may have nothing to fuse, for its log line;
+* ``traced_through`` (optional): dotted paths of the classes of objects the per-call state
+  holds that a layer's code changes through their methods (sglang's residual stream), traced
+  as Python objects (:mod:`fuser.trace.state_objects`) when a layer is fused whole.
+
+A layer is fused whole at its first decode call (its searched modules, attention, kept opaque
+with the engine's leaves); its targets are the fallback where it cannot be, or a call its
+guard declines (``FUSER_WHOLE_LAYER=0``: the targets alone).
 
 The adapter then calls :func:`install` from the hook its engine runs once the model is loaded
 (sglang: after ``ModelRunner.initialize``, before any warm-up or capture), with its
@@ -30,6 +37,7 @@ splice and lazy fusion at the first decode call, never inside a capture
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import sys
@@ -50,6 +58,7 @@ from fuser.serving.targets import (
     passes_state_to_leaves,
     target_decisions,
 )
+from fuser.trace.state_objects import trace_through
 
 log = logging.getLogger("fuser")
 
@@ -70,6 +79,7 @@ class Engine:
     always_guarded: tuple[str, ...] = ()
     declare_weight_caches: Callable[[torch.nn.Module, str], None] | None = None
     no_targets: str = ""
+    traced_through: tuple[str, ...] = ()
 
     def is_any_leaf(self, module: torch.nn.Module) -> bool:
         """A leaf of this engine or one of fuser's own."""
@@ -80,6 +90,17 @@ class Engine:
         targets, not traced)?"""
         return passes_state_to_leaves(module, self.call_state, self.is_any_leaf, self.called_method)
 
+    def declare_traced_through(self) -> None:
+        """Mark the classes of :attr:`traced_through` that are importable (:func:`fuser.trace_through`)."""
+        for dotted in self.traced_through:
+            module_name, _, class_name = dotted.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError) as e:
+                log.debug("fuser: %s not importable (%s)", dotted, e)
+                continue
+            trace_through(cls)
+
     def decode_call(self, arguments: dict) -> bool:
         """Does a layer call (its bound arguments) run in decode mode?"""
         return self.is_decode(arguments.get(self.call_state))
@@ -88,7 +109,7 @@ class Engine:
     def facts(self) -> EngineFacts:
         """What target selection and lazy fusion read (:class:`EngineFacts`)."""
         return EngineFacts(is_leaf=self.is_any_leaf, searched=self.searched, called_method=self.called_method,
-                           global_reads=self.global_reads, always_guarded=self.always_guarded)
+                           global_reads=self.global_reads, always_guarded=self.always_guarded, call_state=self.call_state)
 
 
 def layer_class_matches(cls: type, names: tuple[str, ...]) -> bool:
@@ -128,8 +149,19 @@ def install(model: torch.nn.Module, engine: Engine, options: Options) -> list[Mo
         on_fused = None
         if engine.declare_weight_caches is not None:
             on_fused = functools.partial(_declare_weight_caches, engine.declare_weight_caches, model)
-        splices.append(ModeSplice(name, module, engine.decode_call, targets, options, engine.facts, on_fused))
+        whole = None
+        if options.whole_layer:
+            engine.declare_traced_through()
+            whole = searched_paths(target_decisions(module, engine.facts))
+        splices.append(ModeSplice(name, module, engine.decode_call, targets, options, engine.facts, on_fused, whole))
     return splices
+
+
+def searched_paths(decisions: list[tuple[str, str, str]]) -> tuple[str, ...]:
+    """The topmost searched modules of a layer's decisions: what its whole trace keeps opaque
+    besides the leaves (they pass the per-call state into leaves that consume it)."""
+    searched = [path for path, _, decision in decisions if decision == "searched"]
+    return tuple(p for p in searched if not any(p.startswith(q + ".") for q in searched))
 
 
 def decisions(layer: torch.nn.Module, engine: Engine) -> list[tuple[str, str, str]]:

@@ -7,7 +7,8 @@ This module holds the mode splice and lazy fusion; the other parts have their ow
 
 * :class:`ModeSplice` wraps a layer's ``forward``: a call the adapter's predicate accepts
   (sglang: ``forward_batch.forward_mode.is_decode()``) runs with the mode set
-  (:func:`mode_active`); any other call runs exactly the original code.
+  (:func:`mode_active`), through the layer fused whole where it can be; any other call runs
+  exactly the original code.
 * :func:`fuser.serving.targets.fusion_targets` picks the submodules of a layer to fuse: the
   topmost ones that are not leaves and do not pass the engine's per-call state into leaves
   that consume it (attention), as the adapter's :class:`~fuser.serving.targets.EngineFacts`
@@ -46,6 +47,7 @@ from fuser.serving.fuse_on_call import Unfusable, fuse_now, give_up, log_fused, 
 from fuser.serving.global_reads import GlobalReads
 from fuser.serving.options import Options
 from fuser.serving.targets import EngineFacts, leaf_paths
+from fuser.trace.call_spec import declare_state
 
 
 _MODE = threading.local()
@@ -60,15 +62,23 @@ def mode_active() -> bool:
 class ModeSplice:
     """One layer: its forward wrapped so that a call ``accepts(bound_arguments)`` takes runs
     with :func:`mode_active` set, and its fusion targets wrapped to fuse themselves at their
-    first such call. ``functools.wraps`` keeps the signature (engines read it)."""
+    first such call. ``functools.wraps`` keeps the signature (engines read it).
+
+    With ``whole`` (the modules the layer's own trace keeps opaque besides the engine's
+    leaves: its searched ones, attention), the layer itself is the first target
+    (:attr:`whole`): fused at its first such call with those leaves, it runs fused from then
+    on while its guard holds. The inner targets are its fallback: where the layer cannot be
+    fused (logged once with the reason), or a call its guard declines, the layer's own code
+    runs, and they fuse at their first call."""
 
     def __init__(self, name: str, layer: torch.nn.Module, accepts: Callable[[dict], bool],
                  targets: Iterable[tuple[str, torch.nn.Module]], options: Options, facts: EngineFacts,
-                 on_fused: Callable[[LazyFusion], None] | None = None):
+                 on_fused: Callable[[LazyFusion], None] | None = None, whole: tuple[str, ...] | None = None):
         self.name, self.layer, self.options = name, layer, options
         self.original = layer.__dict__.get("forward")
         eager = layer.forward
         binder = inspect.signature(eager)
+        self.whole = None if whole is None else LazyFusion(name, layer, options, facts, on_fused, wrap=False, leaves=whole)
 
         @functools.wraps(eager)
         def forward(*args, **kwargs):
@@ -76,6 +86,8 @@ class ModeSplice:
                 return eager(*args, **kwargs)
             _MODE.depth = getattr(_MODE, "depth", 0) + 1
             try:
+                if self.whole is not None:
+                    return self.whole.call(eager, args, kwargs)
                 return eager(*args, **kwargs)
             finally:
                 _MODE.depth -= 1
@@ -89,8 +101,10 @@ class ModeSplice:
         """Undo the splice and every fusion it made."""
         for target in self.targets:
             target.remove()
+        if self.whole is not None:
+            self.whole.remove()
         if self.original is None:
-            del self.layer.forward
+            self.layer.__dict__.pop("forward", None)
         else:
             self.layer.forward = self.original
         del self.layer.__dict__[SPLICE_ATTR]
@@ -113,9 +127,12 @@ class LazyFusion:
     (:class:`GlobalReads`); any other call runs the module's own forward."""
 
     def __init__(self, name: str, module: torch.nn.Module, options: Options, facts: EngineFacts,
-                 on_fused: Callable[[LazyFusion], None] | None = None):
+                 on_fused: Callable[[LazyFusion], None] | None = None, wrap: bool = True,
+                 leaves: tuple[str, ...] = ()):
         self.name, self.module, self.options, self.facts = name, module, options, facts
         self.on_fused = on_fused
+        self.leaves = leaves  # submodules kept opaque besides the engine's leaves (paths)
+        self.fallback = "" if wrap else "; its fusion targets fuse one by one instead"
         self.original = module.__dict__.get("forward")
         self.state = "waiting"  # -> "fused" | "eager"
         self.report = None
@@ -126,14 +143,23 @@ class LazyFusion:
 
         @functools.wraps(eager)
         def forward(*args, **kwargs):
-            if self.state == "waiting" and mode_active():
-                self.fuse(args, kwargs)
-            if self.state == "fused" and self.takes_fused_path():
-                return self.module_forward(*args, **kwargs)
-            return eager(*args, **kwargs)
+            return self.call(eager, args, kwargs)
 
         self.module_forward = eager
-        module.forward = forward
+        if wrap:
+            module.forward = forward
+
+    def call(self, eager: Callable, args: tuple, kwargs: dict):
+        """One call: fused at the first in the mode, then the fused forward while its guard
+        holds, else ``eager``. A call with traced values is part of a bigger module being
+        traced (the whole layer): the trace goes through the module's own code."""
+        if _has_proxy(args) or _has_proxy(kwargs.values()):
+            return eager(*args, **kwargs)
+        if self.state == "waiting" and mode_active():
+            self.fuse(args, kwargs)
+        if self.state == "fused" and self.takes_fused_path():
+            return self.module_forward(*args, **kwargs)
+        return eager(*args, **kwargs)
 
     @property
     def label(self) -> str:
@@ -152,7 +178,8 @@ class LazyFusion:
         method = self.facts.called_method(self.module)
         if getattr(method, "__func__", method) is not getattr(self.module.forward, "__func__", None):
             self.fused_module = method_module(self.module, method.__name__)  # a forward(*args) dispatching
-        leaves = leaf_paths(self.fused_module, self.facts.is_leaf)
+        leaves = leaf_paths(self.fused_module, self.facts.is_leaf) + list(self.leaves)
+        self.declare_call_state(method, args, kwargs)
         try:
             self.globals.snapshot_always()
             with self.globals.recording():
@@ -161,7 +188,7 @@ class LazyFusion:
             self.globals_guardable()
         except Unfusable as e:
             self.state = "eager"  # and unwrapped: nothing of fuser's stays on the module
-            give_up(self.name, str(e), self.options)
+            give_up(self.name, str(e) + self.fallback, self.options)
             return
         except BaseException:
             self.module.forward = wrapper
@@ -173,6 +200,17 @@ class LazyFusion:
         log_fused(self.name, self.report, self.options, f" (guarded on {read})" if read else "")
         if self.on_fused is not None:
             self.on_fused(self)
+
+    def declare_call_state(self, method: Callable, args: tuple, kwargs: dict) -> None:
+        """The engine's per-call object, where the call hands it, is state whatever it holds."""
+        if not self.facts.call_state:
+            return
+        try:
+            value = inspect.signature(method).bind_partial(*args, **kwargs).arguments.get(self.facts.call_state)
+        except TypeError:
+            return
+        if value is not None:
+            declare_state(type(value))
 
     def globals_guardable(self) -> None:
         """Raise :class:`Unfusable`, leaving the module unfused, when a global read cannot be guarded."""
@@ -195,6 +233,10 @@ class LazyFusion:
             self.module.__dict__.pop("forward", None)
         else:
             self.module.forward = self.original
+
+
+def _has_proxy(values) -> bool:
+    return any(isinstance(v, torch.fx.Proxy) for v in values)
 
 
 class MethodModule(torch.nn.Module):

@@ -23,6 +23,7 @@ class Options:
     strict: bool = False  # FUSER_STRICT: raise instead of leaving a module eager
     precompute: bool = True  # FUSER_PRECOMPUTE: parameter-only glue computed once at fuse time
     explain: bool = False  # FUSER_EXPLAIN: log what is selected, and each fused module's full report
+    whole_layer: bool = True  # FUSER_WHOLE_LAYER: fuse each layer whole first, its targets as the fallback
 
     @classmethod
     def from_env(cls, environ=None):
@@ -41,6 +42,7 @@ class Options:
             strict=env_flag(environ, "FUSER_STRICT"),
             precompute=env_flag(environ, "FUSER_PRECOMPUTE", True),
             explain=env_flag(environ, "FUSER_EXPLAIN"),
+            whole_layer=env_flag(environ, "FUSER_WHOLE_LAYER", True),
         )
 
     def apply_options(self) -> dict:

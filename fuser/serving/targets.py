@@ -36,13 +36,15 @@ class EngineFacts:
     ``global_reads``: dotted paths of engine-wide flag functions that traced code may call
     (``get_is_capture_mode``); each one read is a guarded value (:class:`GlobalReads`).
     ``always_guarded``: dotted paths of zero-argument functions compared at every call of
-    every target, read or not (a setting the adapter's own decisions depend on)."""
+    every target, read or not (a setting the adapter's own decisions depend on).
+    ``call_state``: the name of the per-call argument (a layer fused whole takes it as state)."""
 
     is_leaf: Callable[[torch.nn.Module], bool]
     searched: Callable[[torch.nn.Module], bool]
     called_method: Callable[[torch.nn.Module], Callable] = _forward_of
     global_reads: tuple[str, ...] = ()
     always_guarded: tuple[str, ...] = ()
+    call_state: str = ""  # the layer's argument that is the engine's per-call state (sglang: forward_batch)
 
 
 def leaf_paths(module: torch.nn.Module, is_leaf: Callable[[torch.nn.Module], bool]) -> list[str]:

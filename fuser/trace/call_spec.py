@@ -28,6 +28,8 @@ import torch
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
+from fuser.trace.state_objects import fields_of, set_fields
+
 # Non-tensor values that the guard compares by value; anything else must be the same object.
 _BY_VALUE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -171,6 +173,7 @@ class StateRead:
     value: Any  # the value read (compared: by_value), or for a tensor (dtype, device, shape)
     tensor: bool = False
     call: tuple | None = None  # (args, kwargs): the path ends at a getter, called with them
+    alias: bool = False  # the path holds the call's tensor input named ``value`` itself (that object)
 
     def label(self) -> str:
         name = ".".join((self.state, *self.path))
@@ -181,15 +184,20 @@ class StateRead:
 
     def shown(self) -> str:
         """The value as the report shows it: its repr, or a tensor's shape and dtype."""
+        if self.alias:
+            return f"the input {self.value} itself"
         return f"a tensor {list(self.value[2])} {self.value[0]}" if self.tensor else repr(self.value)
 
-    def differs(self, state: Any) -> str | None:
-        """None when ``state`` (the call's object) holds the same value at the path, else why not."""
+    def differs(self, state: Any, inputs: dict[str, Any] | None = None) -> str | None:
+        """None when ``state`` (the call's object) holds the same value at the path, else why
+        not. ``inputs``: the call's tensors by graph input name (an alias is checked against them)."""
         now = state
         for name in self.path:
             now = getattr(now, name, _MISSING)
             if now is _MISSING:
                 return f"{self.label()} is missing"
+        if self.alias:
+            return None if now is (inputs or {}).get(self.value) else f"{self.label()} is not the input {self.value} itself, as traced"
         if self.call is not None:
             try:
                 now = now(*self.call[0], **self.call[1])
@@ -202,7 +210,10 @@ class StateRead:
             if (now.dtype, now.device, tuple(now.shape)) != self.value:
                 return f"{self.label()} is {now.dtype} {list(now.shape)} on {now.device}, traced as {dtype} {list(shape)} on {device}"
             return None
-        return None if same_value(now, self.value) else f"{self.label()} is {now!r}, traced with {self.value!r}"
+        if same_value(now, self.value):
+            return None
+        shown = f"a tensor {list(now.shape)} {now.dtype}" if isinstance(now, torch.Tensor) else repr(now)
+        return f"{self.label()} is {shown}, traced with {self.value!r}"
 
 
 _MISSING = object()
@@ -229,11 +240,28 @@ def read_as_value(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) <= 64 and all(read_as_value(v) for v in value)
 
 
+_STATE_MARK = "__fuser_call_state__"
+
+
+def declare_state(cls: type) -> None:
+    """Take every instance of ``cls`` a call hands on as state, whatever it holds (a serving
+    engine's per-call batch object: new at every call, read attribute by attribute). A built-in
+    class (``types.SimpleNamespace``) is not marked: its instances are state where they hold
+    tensors, as any object's."""
+    try:
+        setattr(cls, _STATE_MARK, True)
+    except TypeError:
+        pass
+
+
 def is_state(value: Any) -> bool:
     """An object the call hands on that holds tensors (a KV cache: its layers' key and value
-    buffers), rather than a constant of the call."""
+    buffers), or one of a class declared state (:func:`declare_state`), rather than a constant
+    of the call."""
     if isinstance(value, (torch.Tensor, torch.nn.Module, type) + _BY_VALUE) or callable(value):
         return False
+    if getattr(type(value), _STATE_MARK, False):
+        return True
     return next(_tensors_within(value, "", _STATE_DEPTH, width=64), None) is not None
 
 
@@ -269,14 +297,14 @@ def _tensors_cloned(value: Any, depth: int) -> Any:
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
         return {k: _tensors_cloned(v, depth - 1) for k, v in value.items()}
-    attributes = getattr(value, "__dict__", None)
+    attributes = fields_of(value)  # its __dict__, __slots__ (sglang's residual stream) or struct fields
     if not attributes:
         return value
     try:
         twin = copy.copy(value)
-    except (TypeError, RuntimeError, copy.Error):
+        set_fields(twin, {k: _tensors_cloned(v, depth - 1) for k, v in attributes.items()})
+    except (TypeError, RuntimeError, AttributeError, copy.Error):
         return value
-    twin.__dict__.update({k: _tensors_cloned(v, depth - 1) for k, v in attributes.items()})
     return twin
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import builtins
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fuser.trace.refusal import refuse
+from fuser.trace.refusal import calling_line, refuse
 
 
 class ShadowProxy(fx.Proxy):
@@ -83,6 +84,13 @@ class ShadowProxy(fx.Proxy):
         if answer is not None:
             # `if x.shape[0] == 0: return ...` (the guard runs no call without tokens), or
             # `assert ids.shape[0] == x.shape[0]` (two sizes that follow the tokens alike)
+            return answer
+        decided = decided_for_a_token_range(self.node, self.tracer.shadows, self.tracer.tokens)
+        if decided is not None:
+            # `if x.shape[0] >= 1024:` (sglang's DeepGEMM pre-norm): as traced, for the token
+            # counts where the answer stays the same; the guard declines the others
+            answer, low, high = decided
+            self.tracer.token_ranges.append(TokenRange(low, high, calling_line()))
             return answer
         raise refuse(
             "Python control flow on a traced value (it depends on the batch size or on tensor data)",
@@ -189,6 +197,61 @@ def _decided_for_any_tokens(node: fx.Node, shadows: dict) -> bool | None:
         return None
     answers = {node.target(constant, n) if flipped else node.target(n, constant) for n in (1, 1 << 40)}
     return answers.pop() if len(answers) == 1 and constant <= 1 else None
+
+
+_ORDER = (operator.lt, operator.le, operator.gt, operator.ge)
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """The token counts a branch of the trace holds for: ``low`` to ``high`` (None: no end)."""
+
+    low: int
+    high: int | None
+    where: str  # the line of the branch
+
+    def holds(self, tokens: int) -> bool:
+        return self.low <= tokens and (self.high is None or tokens <= self.high)
+
+    def shown(self) -> str:
+        return f"{self.low} to {self.high} tokens" if self.high is not None else f"{self.low} tokens or more"
+
+
+def decided_for_a_token_range(node: fx.Node, shadows: dict, tokens: int | None) -> tuple[bool, int, int | None] | None:
+    """A size that follows the tokens (``k * tokens + b``) compared in order with an int
+    constant, the same answer at T and T+1: (the answer, the token counts from ``low`` to
+    ``high`` where it stays so), else None."""
+    if tokens is None or node.op != "call_function" or node.target not in _ORDER or len(node.args) != 2:
+        return None
+    a, b = node.args
+    flipped = not isinstance(a, fx.Node)
+    size, constant = (b, a) if flipped else (a, b)
+    if not _follows_tokens(size) or not isinstance(size, fx.Node) or isinstance(constant, bool) or not isinstance(constant, int):
+        return None
+    s0, s1 = _shadows_of(size, shadows)
+    per_token = s1 - s0
+    if per_token <= 0:
+        return None
+    base = s0 - per_token * tokens
+
+    def answer(t: int) -> bool:
+        s = per_token * t + base
+        return bool(node.target(constant, s) if flipped else node.target(s, constant))
+
+    traced, far = answer(tokens), 1 << 40
+    if answer(tokens + 1) != traced:
+        return None
+    # The answer is monotone in the count: it changes once at most, above the traced count or below.
+    if answer(1) == traced:
+        if answer(far) == traced:
+            return traced, 1, None
+        kept, changed = tokens, far  # the last count that keeps it
+    else:
+        kept, changed = tokens, 1  # the first count that gives it
+    while abs(kept - changed) > 1:
+        middle = (kept + changed) // 2
+        kept, changed = (middle, changed) if answer(middle) == traced else (kept, middle)
+    return (traced, 1, kept) if changed > kept else (traced, kept, None)
 
 
 _SUMS = (operator.add, operator.sub)

@@ -4,7 +4,9 @@ leaves and calls given state opaque (:mod:`fuser.trace.leaves`), and while it tr
 process-wide hooks (:mod:`fuser.trace.patches`): ``isinstance`` in traced code sees through
 proxies, and a CUDA stream switch or a traced value assigned to a module attribute is refused.
 An attribute written on a state object (``forward_batch.residual_stream = x``) is a ``setattr``
-node of the graph (:meth:`ShadowTracer.write_state`).
+node of the graph (:meth:`ShadowTracer.write_state`); an object of a class declared
+``fuser.trace_through`` read off the state is traced as a Python object, and made again at run
+time where eager's could be seen (:mod:`fuser.trace.state_objects`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from fuser.trace.call_spec import CallSpec, StateRead, read_as_value
 from fuser.trace.constant_indices import slice_constant_list_indices
 from fuser.trace.patches import refuse_module_rebinding, refuse_stream_switches, shadow_isinstance, sizes_one_by_one
 from fuser.trace.refusal import calling_line, error_location, refuse
+from fuser.trace.state_objects import LiveObjects, Materialize, fields_of, fingerprint, frozen_copy, is_traced_through, proxies_within, set_fields
 from fuser.trace.token_dims import grow
 
 
@@ -96,6 +99,12 @@ class ShadowTracer(fx.Tracer):
         self.state_writes: dict[tuple[str, tuple[str, ...]], Any] = {}
         # (state name, attribute path) -> the leaf call (and its line) that rebound it
         self._rebound_by_leaves: dict[tuple[str, tuple[str, ...]], str] = {}
+        self.live = LiveObjects()  # objects read off state and traced through (fuser.trace.state_objects)
+        # (state name, attribute path) -> the call's tensor input a traced-through object holds there
+        self.aliases: dict[tuple[str, tuple[str, ...]], str] = {}
+        self._inputs: dict[str, fx.Proxy] = {}  # the placeholders, by input name
+        self.tokens: int | None = None  # the example's token count (None: no input follows the tokens)
+        self.token_ranges: list = []  # branches on the token count taken as traced (fuser.trace.proxy.TokenRange)
 
     # --- leaf policy -------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, qualified_name: str) -> bool:
@@ -196,6 +205,13 @@ class ShadowTracer(fx.Tracer):
             )
         if (state, path) in self.state_writes:
             return self.state_writes[state, path]  # written earlier in this forward: the value written
+        if (state, path) in self.live.twins:
+            return self.live.twins[state, path]
+        if is_traced_through(value):
+            return self._twin(proxy, name, value)
+        if (state, path) in self.aliases and isinstance(value, torch.Tensor):
+            self.state_reads[state, path, None] = StateRead(state, path, self.aliases[state, path], alias=True)
+            return self._inputs[self.aliases[state, path]]
         if read_as_value(value):
             self.state_reads[state, path, None] = StateRead(state, path, value)
             return value
@@ -206,6 +222,53 @@ class ShadowTracer(fx.Tracer):
         else:
             self.state_paths[read.node] = (state, path)
         return read
+
+    def _twin(self, proxy: "ShadowProxy", name: str, value: Any):
+        """The twin of a traced-through object read off the state (:mod:`fuser.trace.state_objects`):
+        its tensor fields traced reads (or the call's input it holds), its plain fields guarded."""
+        state, path = self.state_paths[proxy.node]
+        read = self.create_proxy("call_function", builtins.getattr, (proxy, name), {})  # the call's object
+        self.state_paths[read.node] = (state, (*path, name))
+        twin = copy.copy(value)
+        fields = {}
+        for field, v in fields_of(value).items():
+            if not isinstance(v, torch.Tensor) and not read_as_value(v):
+                raise refuse(
+                    f"`{'.'.join((state, *path, name, field))}` holds a {type(v).__name__}: a {type(value).__name__} "
+                    "read off the state is traced through with tensors and plain values in its fields only",
+                    "Call the module where that field is empty (between whole steps), or keep the code reading it a leaf.",
+                )
+            fields[field] = self.read_state(read, field, v)
+        set_fields(twin, fields)
+        self.live.twins[state, (*path, name)] = twin
+        self.live.add(twin, read.node)
+        return twin
+
+    def _materialize(self, obj: Any) -> fx.Node:
+        """A node making ``obj`` (a traced-through object) at run time as the trace holds it now:
+        into the call's object it was read from, or the node that made it before, or anew."""
+        frozen = frozen_copy(obj)
+        proxies = proxies_within(frozen)
+        target = self.live.nodes.get(id(obj))
+        make = Materialize(frozen, proxies)
+        node = self.create_node("call_function", make, (target, *[p.node for p in proxies]), {})
+        node.meta[LEAF] = True  # an effect: kept where it is, never fused
+        # The shadow state's object is made so too, for the leaves after that read it.
+        shadow_target = self.shadows[target.name][0] if target is not None else None
+        at_t = make(shadow_target, *[p.shadow[0] if "shadow" in p.__dict__ else p for p in proxies])
+        self.shadows[node.name] = (at_t, at_t)
+        if id(obj) not in self.live.objects:
+            self.live.add(obj, None)
+        if target is None:
+            self.live.nodes[id(obj)] = node  # made once; later materialisations update it in place
+        self.live.synced[id(obj)] = fingerprint(obj)
+        return node
+
+    def sync_live_objects(self) -> None:
+        """Materialise every traced-through object that changed since it was last (before a leaf
+        given the state, and at the end of the forward: where eager's object can be seen)."""
+        for obj in self.live.changed():
+            self._materialize(obj)
 
     def write_state(self, proxy: "ShadowProxy", name: str, value: Any) -> None:
         """``state.name = value`` in traced code: a ``setattr`` node of the graph, which the fused
@@ -219,6 +282,15 @@ class ShadowTracer(fx.Tracer):
         writes a new one: refused, with the line."""
         state, path = self.state_paths[proxy.node]
         label = ".".join((state, *path, name))
+        if is_traced_through(value):
+            made = self._materialize(value)
+            node = self.create_node("call_function", builtins.setattr, (proxy.node, name, made), {})
+            node.meta[LEAF] = True
+            self.shadows[node.name] = (None, None)
+            setattr(proxy.shadow[0], name, self.shadows[made.name][0])
+            self.state_writes[state, (*path, name)] = value
+            self._states_changed.add(state)
+            return
         if not isinstance(value, ShadowProxy) and not read_as_value(value):
             if isinstance(value, torch.Tensor):
                 what = "a tensor the graph does not compute (made from Python values, or held by the module)"
@@ -249,6 +321,9 @@ class ShadowTracer(fx.Tracer):
         return ShadowProxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if self.live.objects and kind in ("call_function", "call_method", "call_module") and target is not builtins.getattr:
+            if self._state_taken(args, kwargs) is not None and not (kind == "call_method" and _is_getter(target)):
+                self.sync_live_objects()  # a call given the state may read what eager's objects hold
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr)
         if kind == "output":
             return proxy
@@ -360,16 +435,24 @@ class ShadowTracer(fx.Tracer):
         """Placeholders for the example call's tensors (see :mod:`fuser.trace.call_spec`); everything
         else in the call — ``None``, flags, the structure of tuples and dicts — is baked in."""
         proxies = [self.create_proxy("placeholder", name, (), {}) for name in self._call.names]
+        self._inputs = dict(zip(self._call.names, proxies))
         args, kwargs = self._call.rebuild(proxies)
         root = self.root
 
         def traced_call():
-            return root_fn(root, *args, **kwargs) if is_module else root_fn(*args, **kwargs)
+            out = root_fn(root, *args, **kwargs) if is_module else root_fn(*args, **kwargs)
+            self.sync_live_objects()  # what the forward leaves on the state, as eager leaves it
+            return out
 
         return traced_call, []
 
-    def trace_with_shadows(self, root, call: CallSpec, inputs_a: tuple, inputs_b: tuple) -> fx.Graph:
-        """Trace ``root`` (a module or a plain function) on inputs at batch sizes T and T+1."""
+    def trace_with_shadows(self, root, call: CallSpec, inputs_a: tuple, inputs_b: tuple, aliases=None,
+                           tokens: int | None = None) -> fx.Graph:
+        """Trace ``root`` (a module or a plain function) on inputs at batch sizes T and T+1.
+        ``aliases``: the tensor fields of traced-through state objects that hold an input
+        (:func:`fuser.trace.state_objects.input_aliases`); ``tokens``: T."""
+        self.aliases = dict(aliases or {})
+        self.tokens = tokens
         self._attr_names = {}
         if isinstance(root, torch.nn.Module):
             for name, t in list(root.named_parameters(remove_duplicate=False)) + list(

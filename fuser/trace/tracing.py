@@ -44,6 +44,7 @@ from fuser.trace.repeated_rows import repeated_rows
 from fuser.trace.tracer import ShadowTracer
 from fuser.trace.token_dims import batch_dims_of, grown as grown_inputs, held_inputs_hint, infer_batch_inputs, rows_per_token
 from fuser.trace.call_spec import CallSpec, StateRead, copy_state
+from fuser.trace.state_objects import input_aliases
 from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, error_location, first_line
 
 _TRACE_LOCK = threading.RLock()
@@ -74,6 +75,9 @@ class Traced:
     # placeholder name -> rows of its batch dim per token, where more than one (an ALiBi bias's
     # heads: fuser.trace.token_dims)
     batch_rows: dict[str, int] = field(default_factory=dict)
+    # branches on the token count taken as traced (``if x.shape[0] >= 1024``): the guard runs
+    # the fused forward only for the counts where each answer holds (fuser.trace.proxy.TokenRange)
+    token_ranges: list = field(default_factory=list)
 
     def value(self, node: fx.Node) -> Any:
         return self.shadows[node.name][0]
@@ -158,6 +162,7 @@ def trace(
     tensors, _ = call.flatten(example_inputs, example_kwargs)
     batch = batch_dims_of(call, tensors, batch_inputs)
     rows = rows_per_token(call.names, tensors, batch)
+    aliases = input_aliases(call.names, tensors, call.states)  # before the state is copied
     # State (a KV cache) is never touched: the graph's example keeps a copy, the shadows another.
     pristine = [copy_state(v) if n in call.states else v for n, v in zip(call.names, tensors)]
     leaves = list(leaves)
@@ -186,7 +191,7 @@ def trace(
         # one trace at a time, so concurrent apply() calls never see each other's patches.
         try:
             with _TRACE_LOCK, preserved_state(module, tensors), torch.no_grad():
-                graph = tracer.trace_with_shadows(module, call, tensors, grown)
+                graph = tracer.trace_with_shadows(module, call, tensors, grown, aliases, token_count(call.names, tensors, batch, rows))
             changed = _getters_changed(tracer.state_reads.values(), dict(zip(call.names, tensors)))
             if not changed:
                 break
@@ -218,7 +223,16 @@ def trace(
         constants=constants,
         state_reads=list(tracer.state_reads.values()),
         attention_calls=attention,
+        token_ranges=list(tracer.token_ranges),
     )
+
+
+def token_count(names: Sequence[str], inputs: Sequence[Any], batch: dict[str, int], rows: dict[str, int]) -> int | None:
+    """The call's token count: its first batch input's rows along its batch dim (per token)."""
+    for name, value in zip(names, inputs):
+        if name in batch and isinstance(value, torch.Tensor):
+            return value.shape[batch[name]] // rows.get(name, 1)
+    return None
 
 
 def refused(error: Exception, hint: str = "") -> TraceRefused:

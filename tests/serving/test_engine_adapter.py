@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 
 import pytest
+import fuser
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -147,6 +148,10 @@ def after_model_init(model: nn.Module, environ: dict | None = None) -> list[Mode
     return install(model, TOY, ToyOptions.from_env(environ or {}))
 
 
+#: The layers' targets alone, each fused on its own (no layer fused whole).
+TARGETS_ONLY = {"FUSER_WHOLE_LAYER": "0"}
+
+
 # ------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------
@@ -202,7 +207,7 @@ def test_a_call_that_is_not_decode_runs_the_layers_own_code_and_fuses_nothing(mo
 def test_each_target_is_fused_at_its_first_decode_call_and_runs_fused_after(model):
     with torch.no_grad():
         expected = {n: model(torch.full((n, HIDDEN), 0.1 * n).sin(), Batch(decode=True)) for n in (4, 1, 7)}
-        splices = after_model_init(model)
+        splices = after_model_init(model, TARGETS_ONLY)
         close(model(torch.full((4, HIDDEN), 0.4).sin(), Batch(decode=True)), expected[4])
         assert set(states(splices).values()) == {"fused"}
         runs = [FusedGraphRuns(t) for s in splices for t in s.targets]
@@ -215,7 +220,7 @@ def test_after_fusion_a_call_that_is_not_decode_still_runs_the_layers_own_code(m
     x = torch.randn(5, HIDDEN)
     with torch.no_grad():
         expected = model(x, Batch(decode=False))
-        splices = after_model_init(model)
+        splices = after_model_init(model, TARGETS_ONLY)
         model(x, Batch(decode=True))
         runs = [FusedGraphRuns(t) for s in splices for t in s.targets]
         out = model(x, Batch(decode=False))
@@ -227,7 +232,7 @@ def test_nothing_is_fused_inside_a_capture_and_a_later_call_outside_it_fuses(mod
     x = torch.randn(3, HIDDEN)
     with torch.no_grad():
         expected = model(x, Batch(decode=True))
-        splices = after_model_init(model)
+        splices = after_model_init(model, TARGETS_ONLY)
         with caplog.at_level(logging.WARNING, logger="fuser"), monkeypatch.context() as capture:
             capture.setattr(torch.cuda, "is_available", lambda: True)  # the stream reads as capturing
             capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -251,7 +256,7 @@ def test_a_layer_that_takes_no_batch_is_left_eager_with_a_warning(caplog):
 
 def test_values_computed_from_weights_are_declared_through_the_adapter(model):
     with torch.no_grad():
-        after_model_init(model)
+        after_model_init(model, TARGETS_ONLY)
         model(torch.randn(2, HIDDEN), Batch(decode=True))
     # Mlp's down_weight * down_scale is parameter-only glue: computed once at fuse time, declared.
     assert model.derived_weights.startswith("fuser holds values computed from the weights at fuse time")
@@ -268,3 +273,95 @@ def test_uninstall_leaves_the_model_as_it_was(model):
         assert torch.equal(model(x, Batch(decode=True)), expected)
     for module in model.modules():
         assert SPLICE_ATTR not in module.__dict__ and "forward" not in module.__dict__
+
+
+# ------------------------------------------------------------------------------------------
+# Each layer fused whole (the default), its targets the fallback
+# ------------------------------------------------------------------------------------------
+
+
+class HostReadLayer(ToyLayer):
+    """A layer whose own code reads a value to the host: it cannot be traced whole."""
+
+    def forward(self, x, batch):
+        if float(x.abs().max()) > 1e6:
+            raise ValueError("overflow")
+        return super().forward(x, batch)
+
+
+def inputs(n: int) -> torch.Tensor:
+    return torch.full((n, HIDDEN), 0.1 * n).sin() + torch.linspace(-1, 1, HIDDEN)
+
+
+def wholes(splices: list[ModeSplice]) -> dict[str, str]:
+    return {s.name: s.whole.state for s in splices}
+
+
+def test_each_layer_is_fused_whole_at_its_first_decode_call_and_runs_fused_after(model):
+    with torch.no_grad():
+        expected = {n: model(inputs(n), Batch(decode=True)) for n in (4, 1, 7)}
+        splices = after_model_init(model)
+        close(model(inputs(4), Batch(decode=True)), expected[4])
+        assert wholes(splices) == {"layers.0": "fused", "layers.1": "fused"}
+        runs = [FusedGraphRuns(s.whole) for s in splices]
+        for n in (1, 7):
+            close(model(inputs(n), Batch(decode=True)), expected[n])
+    assert [r.count for r in runs] == [2, 2]
+    # The attention block passes the batch to the engine's kernel: opaque in the layer's graph,
+    # its own target (q_norm) fuses at its first call inside it; the others are not needed.
+    assert states(splices) == {"layers.0.norm": "waiting", "layers.0.attn.q_norm": "fused", "layers.0.mlp_norm": "waiting",
+                               "layers.0.mlp": "waiting", "layers.1.norm": "waiting", "layers.1.attn.q_norm": "fused",
+                               "layers.1.mlp_norm": "waiting", "layers.1.mlp": "waiting"}
+    report = splices[0].whole.report
+    assert report.launches_after < report.launches_before
+
+
+def test_the_whole_layer_merges_glue_its_targets_fuse_apart(model):
+    """``h = x + attn(...)`` and the MLP's norm of ``h`` are one kernel in the layer's graph;
+    fused target by target, the add runs alone between them."""
+    with torch.no_grad():
+        whole = after_model_init(model)
+        model(inputs(3), Batch(decode=True))
+        uninstall(model)
+        targets = after_model_init(model, TARGETS_ONLY)
+        model(inputs(3), Batch(decode=True))
+    fused_whole = whole[0].whole.report.launches_after
+    fused_apart = sum(t.report.launches_after for t in targets[0].targets) + 2  # + the two adds left eager
+    assert fused_whole < fused_apart
+
+
+def test_a_call_the_layers_guard_declines_runs_its_code_and_its_targets_fuse(model):
+    with torch.no_grad():
+        splices = after_model_init(model)
+        model(inputs(4), Batch(decode=True))
+        x = inputs(6).reshape(2, 3, HIDDEN)
+        expected = model(x, Batch(decode=False))  # the layers' own code (not a decode call)
+        out = model(x, Batch(decode=True))  # a 3-d input: the whole layer's guard declines
+    close(out, expected)
+    assert wholes(splices) == {"layers.0": "fused", "layers.1": "fused"}
+    assert set(states(splices).values()) == {"fused"}  # the fallback fused each target at this call
+    declined = fuser.stats(model.layers[0])[""]["declined"]
+    assert list(declined.values()) == [1] and "(2, 3, 32)" in next(iter(declined))
+
+
+def test_a_layer_that_cannot_be_fused_whole_falls_back_to_its_targets_logged_once(caplog):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([HostReadLayer()])
+    environ = {"FUSER_LAYERS": "HostReadLayer"}
+    with torch.no_grad():
+        expected = {n: model.layers[0](inputs(n), Batch(decode=True)) for n in (4, 2)}
+        with caplog.at_level(logging.WARNING, logger="fuser"):
+            splices = after_model_init(model, environ)
+            for n in (4, 2):
+                close(model.layers[0](inputs(n), Batch(decode=True)), expected[n])
+    assert wholes(splices) == {"layers.0": "eager"}
+    assert set(states(splices).values()) == {"fused"}
+    (message,) = [r.getMessage() for r in caplog.records if "layers.0 left eager" in r.getMessage()]
+    assert "a host read" in message and message.endswith("its fusion targets fuse one by one instead")
+    uninstall(model)
+    with torch.no_grad():
+        after_model_init(model, {**environ, "FUSER_STRICT": "1"})
+        with pytest.raises(fuser.FuserError, match="layers.0 cannot be fused: .*a host read"):
+            model.layers[0](inputs(4), Batch(decode=True))
+    uninstall(model)

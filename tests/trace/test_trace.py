@@ -48,7 +48,7 @@ def call_nodes(traced, op):
 
 class BranchOnTokens(nn.Module):
     def forward(self, x):
-        if x.shape[0] > 2:  # REFUSE-TOKEN-BRANCH
+        if x.shape[0] % 2 == 1:  # REFUSE-TOKEN-BRANCH
             return x
         return x * 2
 

@@ -23,7 +23,11 @@ process (they are spawned: a patch made in the launcher would never reach the mo
   every decoder layer of a known class (also by the name of an alias: sglang's
   ``DeepseekV4DecoderLayer`` is the CUDA class on CUDA and the platform class elsewhere)
   under a :class:`fuser.serving.lazy_fusion.ModeSplice` (:func:`fuser.serving.engine.install`)
-  that only ``forward_batch.forward_mode.is_decode()`` calls take. Inside a layer, the fusion targets are the topmost submodules that are not
+  that only ``forward_batch.forward_mode.is_decode()`` calls take. Each layer is fused whole
+  at its first decode call, its attention kept opaque, ``forward_batch`` as state and the
+  ``ResidualStream`` its boundaries hand on through it traced as a Python object
+  (:data:`SGLANG`'s ``traced_through``, :mod:`fuser.trace.state_objects`); where it cannot
+  be, its fusion targets are the fallback. Inside a layer, the fusion targets are the topmost submodules that are not
   sglang leaves (:func:`is_sglang_leaf`: ``LinearBase`` GEMMs, ``FusedMoE``, ``RadixAttention``,
   and every ``BaseFusedOp`` that runs a kernel; one that runs its torch reference is glue) and
   that do not pass ``forward_batch`` into a leaf that requires it (attention: those are
@@ -43,6 +47,7 @@ Configuration (environment, inherited by the scheduler processes):
     FUSER_LEAVES=x,y            extra opaque leaves (module paths, class or function names)
     FUSER_DRAFT=1               also fuse speculative-decoding draft models
     FUSER_STRICT=1              raise instead of leaving an unfusable module eager
+    FUSER_WHOLE_LAYER=0         fuse each layer's targets one by one, never the layer whole
     FUSER_EXPLAIN=1             log what the splice selects in each layer class (leaves,
                                 searched modules, targets) and each fused module's and
                                 closure's whole report, as `fuser explain` prints it
@@ -263,6 +268,8 @@ SGLANG = Engine(
     declare_weight_caches=declare_weight_caches,
     no_targets="(GEMMs, experts, attention and sglang's own kernels are leaves; the rest passes "
                "forward_batch to attention); its mHC glue is fused through the compile seam",
+    # DeepSeek-V4's boundaries hand the residual on through forward_batch.residual_stream
+    traced_through=("sglang.srt.layers.layer_boundary.residual.stream.ResidualStream",),
 )
 
 #: A module fuser keeps opaque in sglang: one of sglang's (:func:`is_sglang_leaf`) or one of

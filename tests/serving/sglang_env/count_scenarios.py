@@ -9,7 +9,10 @@ then spliced in capture mode after the warm-up that fuses (what sglang's CUDA gr
 spliced outside capture mode (an eager decode step, a batch larger than any captured). The
 attention and the routed experts are counted apart, the GEMMs apart from the glue.
 
+Each layer is fused whole (the plugin's default), but in the ``targets`` variant.
+
 ``argv[1]``: ``fallbacks`` (sglang's torch fallbacks, :data:`sglang_cpu.TORCH_FALLBACKS`),
+``targets`` (the same, with ``FUSER_WHOLE_LAYER=0``: each layer's targets fused one by one),
 ``no_graphs`` (the same, top-k routing only, without any capture mode: the first decode call
 fuses, as in a server run without CUDA graphs), or
 ``defaults`` (sglang's defaults where they run on the CPU: the fused-op backend left to sglang's
@@ -37,12 +40,14 @@ WARM_UP = 4
 #: Token counts of the counted calls: in capture mode (graph sizes), and outside it (larger).
 CAPTURED = (4, 1, 3)
 EAGER_DECODE = (13, 2)
-PORTS = {"fallbacks": 29651, "defaults": 29652, "no_graphs": 29653}
+PORTS = {"fallbacks": 29651, "defaults": 29652, "no_graphs": 29653, "targets": 29654}
 DEFAULTS_UNSET = ("SGLANG_FORCE_FUSED_OP_BACKEND", "SGLANG_OPT_DEEPGEMM_HC_PRENORM")
 
 
 def setup(variant: str) -> None:
     os.environ.update(TORCH_FALLBACKS)
+    if variant == "targets":  # the fallbacks, each layer's targets fused one by one
+        os.environ["FUSER_WHOLE_LAYER"] = "0"
     if variant == "defaults":
         for name in DEFAULTS_UNSET:
             os.environ.pop(name)
@@ -53,7 +58,8 @@ def setup(variant: str) -> None:
     sinkhorn_on_cpu()
     import sglang.kernels.ops.layernorm.mhc as kernels
 
-    # sglang's TileLang Sinkhorn, its torch reference here (sinkhorn_on_cpu): one launch.
+    # sglang's TileLang Sinkhorn, its torch reference here (sinkhorn_on_cpu): one launch, as
+    # the custom op it calls is in a fused graph.
     kernels.hc_split_sinkhorn = one_launch(kernels.hc_split_sinkhorn, "hc_split_sinkhorn")
 
 
@@ -130,6 +136,9 @@ def routing(num_hash_layers: int, no_graphs: bool = False) -> list[dict]:
         with torch.no_grad(), warm_up, captured_log() as fused_log:
             run_layer(layer, layer, streams[WARM_UP][0], decode_batch_for(streams[WARM_UP][0]))
         result["log"] = fused_log
+        result["whole"] = splice.whole.state if splice.whole is not None else None
+        if splice.whole is not None and splice.whole.report is not None:
+            result["whole_report"] = [splice.whole.report.launches_before, splice.whole.report.launches_after]
         result["states"] = {name: t.state for name, t in targets.items()}
         result["reports"] = {name: [t.report.launches_before, t.report.launches_after]
                              for name, t in targets.items() if t.report is not None}

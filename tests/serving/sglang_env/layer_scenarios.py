@@ -18,8 +18,10 @@ leaf (:class:`AttentionStandIn`), under the splice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from dataclasses import replace
 import logging
 import sys
 from pathlib import Path
@@ -383,7 +385,8 @@ def run_layer(forward, layer, streams: torch.Tensor, batch) -> torch.Tensor:
 
 
 def spliced_layer_forward(layer_class, config) -> dict:
-    """sglang's layer forward, spliced, with the attention a stand-in leaf: decode calls in
+    """sglang's layer forward, spliced target by target (``FUSER_WHOLE_LAYER=0``, what a layer
+    that cannot be fused whole falls back to), with the attention a stand-in leaf: decode calls in
     capture mode (sglang's warm-ups: the first fuses the targets it reaches and the compile
     seam's closures) at several token counts against the layer's own forward outside capture
     mode, then a call in another forward_mode."""
@@ -399,7 +402,7 @@ def spliced_layer_forward(layer_class, config) -> dict:
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(layers)
     with captured_log() as log:  # what the plugin logs (with FUSER_EXPLAIN=1, its explain output)
-        splices = sglang_plugin.install(model, sglang_plugin.Options.from_env())
+        splices = sglang_plugin.install(model, replace(sglang_plugin.Options.from_env(), whole_layer=False))
         g = torch.Generator().manual_seed(13)
         out = {"targets": {s.name: [t.name for t in s.targets] for s in splices}, "errors": {}, "log": log}
         spies = {}
@@ -463,5 +466,127 @@ def mhc_through_the_seam(layers, config) -> dict:
     return results
 
 
+# ------------------------------------------------------------------------------------------
+# The layer fused whole
+# ------------------------------------------------------------------------------------------
+
+
+def run_stack(layers, streams: torch.Tensor, batch) -> list[torch.Tensor]:
+    """One decode step through a stack of layers as ``DeepseekV4Model`` makes it: the layer
+    stack started on the batch once, each layer given the previous one's output (and the
+    residual stream it left on the batch); each layer's output."""
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+    residual_batch.start(batch)
+    positions, hidden, outputs = torch.arange(streams.shape[0]), streams, []
+    for layer in layers:
+        hidden = layer(positions=positions, hidden_states=hidden, input_ids=batch.input_ids,
+                       forward_batch=batch, input_ids_global=batch.input_ids)
+        outputs.append(hidden)
+    return outputs
+
+
+def stream_left(batch, out) -> dict:
+    """What the layer left on ``forward_batch``: its residual stream's fields."""
+    stream = batch.residual_stream
+    return {"residual_is_output": stream.residual is out, "pending": repr(stream.pending),
+            "transport": repr(stream.transport)}
+
+
+def whole() -> dict:
+    """The plugin's default: each layer fused whole at its first decode call (attention a
+    stand-in leaf), at compress ratios 0, 4 and 128 with hash and with top-k routing. Decode
+    calls in capture mode (the first one, sglang's warm-up, fuses) and outside it, at several
+    token counts, against the layer's own forward; what each call leaves on ``forward_batch``;
+    a call in another forward mode. Then a layer whose residual stream is not declared to the
+    trace: it cannot be fused whole, and its targets fuse one by one (``FUSER_STRICT=1``: raised)."""
+    setup()
+    import fuser
+    from sglang.srt.layers.layer_boundary.residual.stream import ResidualStream
+    from sglang.srt.model_executor.runner_utils import capture_mode
+    from sglang.srt.models import deepseek_v4
+
+    from fuser.serving import engine
+    from fuser.serving.engines import sglang as sglang_plugin
+
+    fuser.opaque(AttentionStandIn)
+    out = {"routings": {}}
+    g = torch.Generator().manual_seed(19)
+    with captured_log() as log:
+        for hash_layers in (3, 0):
+            config, layers = build_dsv4_layers(deepseek_v4.DeepseekV4CudaDecoderLayer, (0, 4, 128), hash_layers)
+            for layer in layers:
+                layer.self_attn = AttentionStandIn(layer.self_attn, config.hidden_size)
+            model = torch.nn.Module()
+            model.layers = torch.nn.ModuleList(layers)
+            splices = sglang_plugin.install(model, sglang_plugin.Options.from_env())
+            run = {"errors": {}, "left": {}, "eager_left": {}}
+            spies = {}
+            own = [functools.partial(type(layer).forward, layer) for layer in layers]
+            for tokens, captured in ((4, True), (1, True), (13, True), (2, False), (7, False)):
+                streams = torch.randn(tokens, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+                eager_batch, batch = decode_batch(tokens), decode_batch(tokens)
+                mode = capture_mode.model_capture_mode() if captured else contextlib.nullcontext()
+                with torch.no_grad():
+                    eager = run_stack(own, streams, eager_batch)
+                    with mode:
+                        fused = run_stack(layers, streams, batch)
+                for splice in splices:
+                    if splice.whole.state == "fused" and splice.name not in spies:
+                        spies[splice.name] = FusedGraphRuns(splice.whole)
+                when = f"T={tokens}{'' if captured else ' eager decode'}"
+                for splice, a, b in zip(splices, fused, eager):
+                    run["errors"][f"{splice.name} {when}"] = compare(a, b, None)
+                run["left"][when] = stream_left(batch, fused[-1])
+                run["eager_left"][when] = stream_left(eager_batch, eager[-1])
+            run["routing"] = type(layers[0].mlp.topk).__name__
+            run["whole"] = {s.name: s.whole.state for s in splices}
+            run["targets"] = {t.name: t.state for s in splices for t in s.targets}
+            run["fused_graph_runs"] = {name: spy.count for name, spy in spies.items()}
+            run["launches"] = {s.name: [s.whole.report.launches_before, s.whole.report.launches_after]
+                               for s in splices if s.whole.report is not None}
+            run["state_reads"] = {s.name: s.whole.report.state_reads for s in splices if s.whole.report is not None}
+            with torch.no_grad():
+                streams = torch.randn(3, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+                extend = run_layer(layers[0], layers[0], streams, decode_batch(3, "EXTEND"))
+                own = run_layer(functools.partial(type(layers[0]).forward, layers[0]), layers[0], streams,
+                                decode_batch(3, "EXTEND"))
+            run["extend_same_as_own_code"] = torch.equal(extend, own)
+            run["extend_took_fused_path"] = spies["layers.0"].count != run["fused_graph_runs"]["layers.0"]
+            out["routings"][run["routing"]] = run
+            for splice in splices:
+                splice.remove()
+    out["log"] = log
+
+    # The stream not declared: the trace stops at sglang's own check (prepare.py), as before.
+    delattr(ResidualStream, "__fuser_traced_through__")
+    undeclared = replace(sglang_plugin.SGLANG, traced_through=())
+    config, layers = build_dsv4_layers(deepseek_v4.DeepseekV4CudaDecoderLayer, (0,), 0)
+    layers[0].self_attn = AttentionStandIn(layers[0].self_attn, config.hidden_size)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(layers)
+    fallback = {}
+    for strict in (False, True):
+        options = replace(sglang_plugin.Options.from_env(), strict=strict)
+        splices = engine.install(model, undeclared, options)
+        streams = torch.randn(4, config.hc_mult, config.hidden_size, generator=g).bfloat16()
+        with torch.no_grad(), captured_log() as messages:
+            eager = run_layer(functools.partial(type(layers[0]).forward, layers[0]), layers[0], streams, decode_batch(4))
+            try:
+                fused = run_layer(layers[0], layers[0], streams, decode_batch(4))
+                fallback["error"] = compare(fused, eager, None)
+            except fuser.FuserError as e:
+                fallback["strict_raised"] = str(e)
+        if not strict:
+            fallback["log"] = messages
+            fallback["whole"] = splices[0].whole.state
+            fallback["targets"] = {t.name: t.state for t in splices[0].targets}
+        for splice in splices:
+            splice.remove()
+    out["fallback"] = fallback
+    return out
+
+
 if __name__ == "__main__":
-    print("FUSER-RESULT " + json.dumps(explain() if sys.argv[1:] == ["explain"] else main(), default=str))
+    scenario = {"explain": explain, "whole": whole}.get(sys.argv[1] if sys.argv[1:] else "", main)
+    print("FUSER-RESULT " + json.dumps(scenario(), default=str))

@@ -122,6 +122,8 @@ def fused_calls(module) -> list[int]:
 def main() -> dict:
     out = {}
     os.environ["FUSER_LAYERS"] = "StandInDecoderLayer,StandInOtherLayer"
+    # The splice's targets, each on its own (a layer fused whole: test_sglang_layer_whole.py).
+    os.environ["FUSER_WHOLE_LAYER"] = "0"
     # sglang's plugin loader: entry-point discovery, then HookRegistry.apply_hooks().
     ModelRunner.initialize = stand_in_initialize
     from sglang.srt.plugins import load_plugins

@@ -75,10 +75,22 @@ def init_single_process_dist(port: int = 29632) -> None:
 
 
 def sinkhorn_on_cpu() -> None:
+    """sglang's TileLang Sinkhorn has no CPU path: its torch reference takes its place, as a
+    torch custom op, so that, like the kernel it stands for, it is one call a trace keeps
+    opaque (a layer traced whole would otherwise fuse the reference's ops)."""
     import sglang.kernels.ops.layernorm.mhc as kernels
     from sglang.test.kernels.mhc import hc_split_sinkhorn_torch
 
-    kernels.hc_split_sinkhorn = hc_split_sinkhorn_torch
+    if not hasattr(torch.ops.fuser_tests, "hc_split_sinkhorn"):
+        @torch.library.custom_op("fuser_tests::hc_split_sinkhorn", mutates_args=())
+        def kernel(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor, hc_mult: int,
+                   sinkhorn_iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return tuple(t.clone() for t in hc_split_sinkhorn_torch(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps))
+
+    def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
+        return torch.ops.fuser_tests.hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps)
+
+    kernels.hc_split_sinkhorn = hc_split_sinkhorn
 
 
 class captured_log:
