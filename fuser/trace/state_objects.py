@@ -7,7 +7,7 @@ state like any other object, each of those calls would be a leaf given state, an
 traced value where eager returns None. A class declared with :func:`trace_through` is traced as
 what it is, a Python object:
 
-* read off the state, the object is a *twin* (:meth:`LiveObjects.twin`): a shallow copy whose
+* read off the state, the object is a *twin* (made by the tracer's ``_twin``): a shallow copy whose
   tensor fields are traced values (read at run time off the call's object, or, where the field
   holds one of the call's tensor inputs itself, that input, the identity guarded) and whose
   other fields are None or plain values (guarded);
@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import types
 from typing import Any
 
 import torch
@@ -51,7 +52,8 @@ def is_traced_through(value: Any) -> bool:
 
 
 def fields_of(obj: Any) -> dict[str, Any]:
-    """An object's fields: its ``__dict__``, ``__slots__`` and msgspec struct fields."""
+    """An object's fields: its ``__dict__``, ``__slots__`` and msgspec struct fields (the values
+    themselves, held: an id alone could be a freed value's, reused)."""
     found = dict(getattr(obj, "__dict__", {}))
     for name in getattr(type(obj), "__struct_fields__", ()):
         found[name] = getattr(obj, name)
@@ -62,13 +64,16 @@ def fields_of(obj: Any) -> dict[str, Any]:
     return found
 
 
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
+
+
 def _opaque_value(value: Any) -> bool:
-    """A value never looked into: a traced value, a tensor, a module, a class, a function (but
-    a ``functools.partial``: its arguments are), a number, a string, an enum."""
+    """A value never looked into: a traced value, a tensor, a module, a class, a function (an
+    object with a ``__call__`` of its own and a ``functools.partial`` are: their fields and
+    arguments may hold traced values), a number, a string, an enum."""
     return (
-        isinstance(value, (fx.Proxy, torch.Tensor, torch.nn.Module, type, enum.Enum, int, float, str, bytes, bool))
+        isinstance(value, (fx.Proxy, torch.Tensor, torch.nn.Module, type, enum.Enum, int, float, str, bytes, bool) + _FUNCTIONS)
         or value is None
-        or (callable(value) and not isinstance(value, functools.partial))
     )
 
 

@@ -392,7 +392,7 @@ class ShadowTracer(fx.Tracer):
         def note(a):
             if _is_state_proxy(a, self.state_paths) and "shadow" in a.__dict__:
                 state, path = self.state_paths[a.node]
-                found.append((a.shadow[0], ".".join((state, *path)), _attributes(a.shadow[0])))
+                found.append((a.shadow[0], ".".join((state, *path)), fields_of(a.shadow[0])))
 
         map_aggregate((args, kwargs), note)
         return found
@@ -405,7 +405,7 @@ class ShadowTracer(fx.Tracer):
         if target is builtins.getattr:
             return
         for obj, label, then in before:
-            now = _attributes(obj)
+            now = fields_of(obj)
             what = f"{label}.{target}" if kind == "call_method" else getattr(target, "__name__", str(target))
             state, path = label.split(".")[0], tuple(label.split(".")[1:])
             for name in set(then) | set(now):
@@ -477,17 +477,6 @@ class ShadowTracer(fx.Tracer):
 
 _NOT_A_QUERY = object()
 _MISSING = object()  # an attribute an object does not have
-
-
-def _attributes(obj) -> dict[str, Any]:
-    """Attribute name -> its value, for an object's ``__dict__`` and ``__slots__`` (the values
-    themselves, held: an id alone could be a freed value's, reused)."""
-    found = dict(getattr(obj, "__dict__", {}))
-    for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if isinstance(name, str) and name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                found[name] = getattr(obj, name)
-    return found
 
 
 def _values_within(value, depth: int = 3):
