@@ -171,7 +171,7 @@ class BranchesOnTokens(nn.Module):
 
     def forward(self, x):
         self.seen.add_(x.sum(0))
-        if x.shape[0] > 4:  # UNTRACEABLE
+        if x.shape[0] % 2 == 0:  # UNTRACEABLE
             x = x * 2
         return x * self.weight
 
