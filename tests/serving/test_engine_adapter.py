@@ -326,8 +326,9 @@ def test_the_whole_layer_merges_glue_its_targets_fuse_apart(model):
         targets = after_model_init(model, TARGETS_ONLY)
         model(inputs(3), Batch(decode=True))
     fused_whole = whole[0].whole.report.launches_after
-    fused_apart = sum(t.report.launches_after for t in targets[0].targets) + 2  # + the two adds left eager
-    assert fused_whole < fused_apart
+    # q_norm fuses on its own either way (inside the attention block); the two adds run eager apart
+    fused_apart = sum(t.report.launches_after for t in targets[0].targets if ".attn." not in t.name) + 2
+    assert fused_whole < fused_apart, (fused_whole, fused_apart)
 
 
 def test_a_call_the_layers_guard_declines_runs_its_code_and_its_targets_fuse(model):
