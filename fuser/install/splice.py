@@ -37,7 +37,7 @@ from fuser.install.fixed_at_apply import Literals, ModuleSnapshot, Precomputed, 
 from fuser.install.merged_weights import MergedWeights
 from fuser.trace.call_spec import CallSpec
 from fuser.trace.refusal import user_stacklevel
-from fuser.trace.tracing import Traced
+from fuser.trace.tracing import Traced, token_count, token_input
 from fuser.validate.against_eager import INTERPRETER_LOCK
 
 STATE_ATTR = "_fuser_state"
@@ -59,9 +59,9 @@ class Guard:
     # lies clear of those literals: a fuse from the next call would leave the dim free
     declined_near_literal: bool = False
     # branches on the token count taken as traced (fuser.trace.proxy.TokenRange), and where the
-    # call's token count is read: (graph input name, its batch dim, its rows per token)
+    # call's token count is read (fuser.trace.tracing.token_input)
     token_ranges: tuple = ()
-    token_input: tuple[str, int, int] | None = None
+    token_input: tuple[int, int, int] | None = None
 
     @classmethod
     def from_trace(cls, module: torch.nn.Module, traced: Traced, predicate=None, free=None, near_literals=None) -> "Guard":
@@ -75,10 +75,9 @@ class Guard:
             batch, any_size = traced.batch_inputs.get(name), (free or {}).get(name, ())
             sizes = tuple(None if i == batch else ANY if i in any_size else s for i, s in enumerate(value.shape))
             specs.append((name, (value.dtype, value.device, sizes)))
-        token_input = next(((n, traced.batch_inputs[n], traced.batch_rows.get(n, 1)) for n in traced.input_names
-                            if n in traced.batch_inputs), None)
+        where = token_input(traced.input_names, traced.example_inputs, traced.batch_inputs, traced.batch_rows)
         return cls(traced.call, specs, predicate, tuple(traced.state_reads), dict(near_literals or {}),
-                   token_ranges=tuple(traced.token_ranges), token_input=token_input)
+                   token_ranges=tuple(traced.token_ranges), token_input=where)
 
     def why_not(self, args, kwargs) -> str | None:
         """None when the fused forward applies to this call, else the reason it does not."""
@@ -100,9 +99,7 @@ class Guard:
         return tensors, None
 
     def _tokens_outside(self, tensors) -> str | None:
-        name, dim, rows = self.token_input
-        value = tensors[[n for n, _ in self.traced].index(name)]
-        tokens = value.shape[dim] // rows
+        tokens = token_count(tensors, self.token_input)
         for branch in self.token_ranges:
             if not branch.holds(tokens):
                 return f"{tokens} tokens: a branch on the token count was traced for {branch.shown()} ({branch.where})"

@@ -127,6 +127,8 @@ def install(model: torch.nn.Module, engine: Engine, options: Options) -> list[Mo
     decode call. A layer whose ``forward`` does not take ``engine.call_state``, or that has no
     target, is left as it is, with a log line saying why."""
     splices, explained = [], set()
+    if options.whole_layer:
+        engine.declare_traced_through()
     for name, module in model.named_modules():
         if not layer_class_matches(type(module), options.layers) or SPLICE_ATTR in module.__dict__:
             continue
@@ -136,23 +138,20 @@ def install(model: torch.nn.Module, engine: Engine, options: Options) -> list[Mo
             log.warning("fuser: %s (%s) takes no %s: decode and prefill cannot be told apart, left eager",
                         name, type(module).__name__, engine.call_state)
             continue
-        targets = fusion_targets(module, engine.facts)
+        decided = target_decisions(module, engine.facts)
+        targets = fusion_targets(module, decided)
         if not targets:
             why = engine.no_targets or f"(each submodule is a leaf or passes {engine.call_state} to one)"
             log.info("fuser: %s (%s): no submodule to fuse %s", name, type(module).__name__, why)
             continue
         if options.explain:  # once for each layer class and structure
-            decided = target_decisions(module, engine.facts)
             if (type(module), tuple(decided)) not in explained:
                 explained.add((type(module), tuple(decided)))
                 log.info("%s", decisions_text(name, module, decided))
         on_fused = None
         if engine.declare_weight_caches is not None:
             on_fused = functools.partial(_declare_weight_caches, engine.declare_weight_caches, model)
-        whole = None
-        if options.whole_layer:
-            engine.declare_traced_through()
-            whole = searched_paths(target_decisions(module, engine.facts))
+        whole = searched_paths(decided) if options.whole_layer else None
         splices.append(ModeSplice(name, module, engine.decode_call, targets, options, engine.facts, on_fused, whole))
     return splices
 

@@ -99,10 +99,9 @@ def decisions_text(name: str, layer: torch.nn.Module, decisions: list[tuple[str,
     return "\n".join(lines)
 
 
-def fusion_targets(layer: torch.nn.Module, facts: EngineFacts) -> list[tuple[str, torch.nn.Module]]:
-    """The submodules of ``layer`` to fuse (see :func:`target_decisions`)."""
-    return [(path, layer.get_submodule(path)) for path, _, decision in target_decisions(layer, facts)
-            if decision == "target"]
+def fusion_targets(layer: torch.nn.Module, decisions: list[tuple[str, str, str]]) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules of ``layer`` to fuse, by its :func:`target_decisions`."""
+    return [(path, layer.get_submodule(path)) for path, _, decision in decisions if decision == "target"]
 
 
 # ------------------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ class ShadowTracer(fx.Tracer):
         if not isinstance(value, ShadowProxy) and not read_as_value(value):
             if isinstance(value, torch.Tensor):
                 what = "a tensor the graph does not compute (made from Python values, or held by the module)"
-            elif any(isinstance(v, fx.Proxy) for v in _values_within(value)):
+            elif proxies_within(value):
                 what = f"a {type(value).__name__} holding traced values (made in the traced code)"
             else:
                 what = f"a {type(value).__name__} made in the traced code (eager writes a new one at every call)"
@@ -321,15 +321,16 @@ class ShadowTracer(fx.Tracer):
         return ShadowProxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
-        if self.live.objects and kind in ("call_function", "call_method", "call_module") and target is not builtins.getattr:
-            if self._state_taken(args, kwargs) is not None and not (kind == "call_method" and _is_getter(target)):
-                self.sync_live_objects()  # a call given the state may read what eager's objects hold
+        state = self._state_taken(args, kwargs)
+        # a call given the state that is no attribute read or getter: it may read or change it
+        given = state is not None and target is not builtins.getattr and not (kind == "call_method" and _is_getter(target))
+        if given and self.live.objects:
+            self.sync_live_objects()  # it sees what eager's objects hold
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr)
         if kind == "output":
             return proxy
         if kind == "call_function" and (leaf := custom_op(target)) is not None:
             self.note(leaf)
-        state = self._state_taken(args, kwargs)
         if kind == "placeholder":
             # A parameter the example does not pass is baked at its default (fx's concrete_args).
             default = args[0] if args else None
@@ -340,7 +341,7 @@ class ShadowTracer(fx.Tracer):
             self.graph.erase_node(proxy.node)
             return value
         elif state is not None:
-            if target is not builtins.getattr and not (kind == "call_method" and _is_getter(target)):
+            if given:
                 self._states_changed.add(state)  # (an attribute read or a getter changes nothing)
             # A call given state (``past_key_values.update(k, v, i)``) is a leaf. The state is
             # one object of the example's batch: the call runs once, and its result at T+1 is
@@ -477,23 +478,6 @@ class ShadowTracer(fx.Tracer):
 
 _NOT_A_QUERY = object()
 _MISSING = object()  # an attribute an object does not have
-
-
-def _values_within(value, depth: int = 3):
-    """``value`` and what it holds, ``depth`` levels into its lists, tuples, dicts and attributes."""
-    yield value
-    if depth == 0 or isinstance(value, (fx.Proxy, torch.Tensor)):
-        return
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-    elif isinstance(value, dict):
-        items = list(value.values())
-    else:
-        items = list(getattr(value, "__dict__", {}).values())
-        items += [getattr(value, n) for c in type(value).__mro__ for n in getattr(c, "__slots__", ())
-                  if isinstance(n, str) and n not in ("__dict__", "__weakref__") and hasattr(value, n)]
-    for item in items:
-        yield from _values_within(item, depth - 1)
 
 
 def _is_getter(method) -> bool:

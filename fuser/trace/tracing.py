@@ -191,7 +191,8 @@ def trace(
         # one trace at a time, so concurrent apply() calls never see each other's patches.
         try:
             with _TRACE_LOCK, preserved_state(module, tensors), torch.no_grad():
-                graph = tracer.trace_with_shadows(module, call, tensors, grown, aliases, token_count(call.names, tensors, batch, rows))
+                graph = tracer.trace_with_shadows(module, call, tensors, grown, aliases,
+                                                 token_count(tensors, token_input(call.names, tensors, batch, rows)))
             changed = _getters_changed(tracer.state_reads.values(), dict(zip(call.names, tensors)))
             if not changed:
                 break
@@ -227,12 +228,21 @@ def trace(
     )
 
 
-def token_count(names: Sequence[str], inputs: Sequence[Any], batch: dict[str, int], rows: dict[str, int]) -> int | None:
-    """The call's token count: its first batch input's rows along its batch dim (per token)."""
-    for name, value in zip(names, inputs):
+def token_input(names: Sequence[str], inputs: Sequence[Any], batch: dict[str, int], rows: dict[str, int]) -> tuple[int, int, int] | None:
+    """Where a call's token count is read: (the position of its first batch input, that input's
+    batch dim, its rows per token); None where no input follows the tokens."""
+    for i, (name, value) in enumerate(zip(names, inputs)):
         if name in batch and isinstance(value, torch.Tensor):
-            return value.shape[batch[name]] // rows.get(name, 1)
+            return i, batch[name], rows.get(name, 1)
     return None
+
+
+def token_count(inputs: Sequence[Any], where: tuple[int, int, int] | None) -> int | None:
+    """The call's token count, read where :func:`token_input` says."""
+    if where is None:
+        return None
+    i, dim, rows = where
+    return inputs[i].shape[dim] // rows
 
 
 def refused(error: Exception, hint: str = "") -> TraceRefused:
