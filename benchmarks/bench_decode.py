@@ -182,7 +182,7 @@ def run(name: str, batches: tuple[int, ...], variants=VARIANTS, copy_gbps: float
     after each row)."""
     copy_gbps = copy_gbps or bench.copy_bandwidth_gbps()
     model = causal_lm(name)
-    record = dict(model=name, layers=model.config.num_hidden_layers, stamp=bench.stamp(), copy_gbps=round(copy_gbps),
+    record = dict(model=name, layers=model.config.num_hidden_layers, prefix=PREFIX, stamp=bench.stamp(), copy_gbps=round(copy_gbps),
                   apply_s={}, apply_failed={}, fuser_reports={}, rows=[])  # fmt: skip
     routed = experts_read(model.config, 1)
     if routed:
@@ -303,7 +303,7 @@ def markdown(results: dict) -> str:
     for name, record in results.get("models", {}).items():
         s = record["stamp"]
         lines += [
-            f"## {name} ({record['layers']} layers, real dims, bf16, static cache of {PREFIX} tokens)",
+            f"## {name} ({record['layers']} layers, real dims, bf16, static cache of {record.get('prefix', PREFIX)} tokens)",
             "",
             f"{s['gpu']}, torch {s['torch']}, triton {s['triton']}, commit {s['commit']}. {applies(record)}",
             "",
@@ -336,6 +336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--prefix", type=int, default=PREFIX, help="tokens in each sequence's cache before the step")
     parser.add_argument("--apply-time", action="store_true")
     parser.add_argument("--out", default=str(OUT), help="folder of decode.json and decode.md")
     args = parser.parse_args(argv)
@@ -351,11 +352,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.batches = ()
     if not args.batches or min(args.batches) < 1:
         parser.error("--batches: positive ints, comma-separated (1,8,32)")
+    if args.prefix < 1:
+        parser.error("--prefix: a positive int")
     return args
 
 
 def main(argv=None) -> None:
+    global PREFIX
     args = parse_args(argv)
+    PREFIX = args.prefix
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "decode.json"

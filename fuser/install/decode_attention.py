@@ -57,8 +57,13 @@ MAX_GROUP = 64
 #: the faster (Llama-3.2-1B's step 1356 µs on cuDNN's, 1413 on the kernel; at batch 1 1114 and
 #: 1080: benchmarks/results/README.md).
 MAX_BATCH = 1
-#: Programs a call aims at (about an H100's or H200's SMs): the keys are sliced until there are as many.
-PROGRAMS = 132
+#: Programs a call aims at (four an SM of an H100 or H200): the keys are sliced until there are as
+#: many. At long caches a program an SM left the memory idle: 16 attention calls of Llama-3.2-1B's
+#: heads at 16384 keys took 36.4 µs a call at 132 programs, 17.4 at 528 (an H100;
+#: benchmarks/results/README.md, "The attention kernel's slices").
+PROGRAMS = 528
+#: Slices the combining kernel reads at a time.
+CHUNK = 16
 #: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
 HIDDEN = -65504.0
 #: Mask kinds (``MASK``): none, additive, boolean.
@@ -147,25 +152,39 @@ def _attend(
 
 
 @triton.jit
-def _combine(part_ptr, stat_ptr, o_ptr, heads, o_b, o_h, slices, BLOCK_SLICES: tl.constexpr,
+def _combine(part_ptr, stat_ptr, o_ptr, heads, o_b, o_h, slices, CHUNK: tl.constexpr,
              D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One program a query head: its slices' weighted values, rescaled to the largest max and
-    summed. (The count of slices is an argument: a cache that grows a key a step compiles nothing
-    new.)"""
+    summed, :data:`CHUNK` slices at a time (the count of slices is an argument: a cache that
+    grows a key a step compiles nothing new, and a short one reads one chunk)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     bh = tl.program_id(0)
-    j = tl.arange(0, BLOCK_SLICES)
+    j = tl.arange(0, CHUNK)
     d = tl.arange(0, BLOCK_D)
-    j_ok = j < slices
-    row = bh * slices + j
-    m = tl.load(stat_ptr + row * 2, mask=j_ok, other=float("-inf"))
-    l = tl.load(stat_ptr + row * 2 + 1, mask=j_ok, other=0.0)
-    top = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
-    parts = tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :], mask=j_ok[:, None], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    first = bh * slices
+    tops = tl.full((CHUNK,), float("-inf"), tl.float32)
+    start = 0
+    while start < slices:
+        m = tl.load(stat_ptr + (first + start + j) * 2, mask=start + j < slices, other=float("-inf"))
+        tops = tl.maximum(tops, m)
+        start += CHUNK
+    top = tl.max(tops, axis=0)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    sums = tl.zeros((CHUNK,), tl.float32)
+    start = 0
+    while start < slices:
+        row = first + start + j
+        j_ok = start + j < slices
+        start += CHUNK
+        m = tl.load(stat_ptr + row * 2, mask=j_ok, other=float("-inf"))
+        l = tl.load(stat_ptr + row * 2 + 1, mask=j_ok, other=0.0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        parts = tl.load(part_ptr + row[:, None] * BLOCK_D + d[None, :], mask=j_ok[:, None], other=0.0)
+        acc += tl.sum(parts * w[:, None], axis=0)
+        sums += l * w
+    out = acc / tl.sum(sums, axis=0)
     tl.store(o_ptr + (bh // heads) * o_b + (bh % heads) * o_h + d, to_dtype(out, o_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -249,11 +268,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         MASK=kind, SLICED=sliced, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if sliced:
-        block_slices = triton.next_power_of_2(max(1, PROGRAMS // (batch * heads_kv)))  # the most slices at any key count
         _combine_launch[(batch * heads,)](
             parts, stats, out, heads, out.stride(0), out.stride(1), pieces,
-            BLOCK_SLICES=block_slices, D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1 if block_slices * block_d <= 2048 else 4,
-            launch_pdl=pdl,
+            CHUNK=CHUNK, D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1 if CHUNK * block_d <= 2048 else 4, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

@@ -15,7 +15,7 @@ from fuser.install.decode_attention import attention, slices, takes
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 DTYPES = list(TOLERANCES)
 # (batch, query heads, key heads, keys, head dim)
-SHAPES = [(1, 8, 2, 37, 16), (2, 4, 4, 200, 64), (1, 6, 2, 1000, 80), (3, 7, 1, 130, 96), (1, 32, 8, 256, 64)]
+SHAPES = [(1, 8, 2, 37, 16), (2, 4, 4, 200, 64), (1, 6, 2, 1000, 80), (3, 7, 1, 130, 96), (1, 32, 8, 256, 64), (1, 4, 1, 2100, 32)]
 
 
 def reference(q, k, v, mask=None, scale=None):
@@ -76,7 +76,8 @@ def test_a_scale_and_a_mask_of_fewer_dims_are_sdpa_s(dtype):
 
 def test_the_slices_give_about_one_program_an_sm_each_of_whole_blocks():
     assert slices(1, 8, 256) == 4  # 4 blocks of 64 keys: a slice each
-    assert slices(1, 8, 4096) == 16  # 132 // 8
+    assert slices(1, 8, 4096) == 64  # 64 blocks: one each (528 // 8 is 66)
+    assert slices(1, 8, 16384) == 66  # 528 // 8
     assert slices(64, 8, 4096) == 1  # 512 programs already
     assert slices(1, 1, 10) == 1
 
