@@ -82,15 +82,19 @@ def _product(a, b, EXACT: tl.constexpr):
 
 @triton.jit
 def _attend(
-    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr,
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, new_k_ptr, new_v_ptr, length_ptr, done_ptr,
     S, per_slice, scale, heads_kv,
-    q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h,
+    q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h, nk_b, nk_h, nv_b, nv_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MASK: tl.constexpr, SLICED: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr, HIDDEN: tl.constexpr,
+    MASK: tl.constexpr, SLICED: tl.constexpr, WRITE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
+    HIDDEN: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
     slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
-    and unnormalised weighted values for :func:`_combine`."""
+    and unnormalised weighted values for :func:`_combine`. With ``WRITE`` the step's new key and
+    value rows are written at the cache's length first (by the program whose slice holds that
+    slot; one past the cache is dropped) and read from the registers where the loop meets them;
+    the last program to finish moves the length on by one."""
     if PDL:
         gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
         gdc_launch_dependents()
@@ -101,14 +105,21 @@ def _attend(
     g = tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     g_ok, d_ok = g < GROUP, d < D
+    start = piece * per_slice
+    end = tl.minimum(start + per_slice, S)
+    if WRITE:
+        length = tl.load(length_ptr)
+        new_k = tl.load(new_k_ptr + b * nk_b + kvh * nk_h + d, mask=d_ok, other=0.0)
+        new_v = tl.load(new_v_ptr + b * nv_b + kvh * nv_h + d, mask=d_ok, other=0.0)
+        if (start <= length) & (length < end):
+            tl.store(k_ptr + b * k_b + kvh * k_h + length * k_s + d, new_k, mask=d_ok)
+            tl.store(v_ptr + b * v_b + kvh * v_h + length * v_s + d, new_v, mask=d_ok)
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * q_b + heads[:, None] * q_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
     best = tl.full((ROWS,), float("-inf"), tl.float32)  # each head's largest mask value so far
-    start = piece * per_slice
-    end = tl.minimum(start + per_slice, S)
     first = start
     while first < end:
         s = first + tl.arange(0, BLOCK_S)
@@ -131,6 +142,8 @@ def _attend(
         best = tl.maximum(best, top)
         if not skip:  # a block the mask hides from every head is not read
             k = tl.load(k_ptr + b * k_b + kvh * k_h + s[:, None] * k_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            if WRITE:  # the new row as written, whichever of the program's threads wrote it
+                k = tl.where((s_ok & (s == length))[:, None], new_k[None, :], k)
             scores = _product(q, tl.trans(k), EXACT)
             scores = scores * scale + bias
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -139,6 +152,8 @@ def _attend(
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            if WRITE:
+                v = tl.where((s_ok & (s == length))[:, None], new_v[None, :], v)
             acc = acc * alpha[:, None] + _product(to_dtype(p, v.dtype), v, EXACT)
             m_i = m_new
     if SLICED:
@@ -149,6 +164,12 @@ def _attend(
     else:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if WRITE:
+        # Every program read the length before it counts itself done (acq_rel): the last one
+        # stores the new length and sets the count back to zero for the next call.
+        if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.store(length_ptr, length + 1)
+            tl.store(done_ptr, 0)
 
 
 @triton.jit
@@ -233,6 +254,20 @@ def takes(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, e
     return _mask_kind(attn_mask, q, batch, heads, k.shape[2]) is not None
 
 
+def takes_write(k, v, new_k, new_v, length, done) -> bool:
+    """Can the kernel write ``new_k`` and ``new_v`` into the cache ``k``, ``v`` at ``length``
+    (see :func:`attention`'s ``write``)?"""
+    tensors = (new_k, new_v, length, done)
+    if not all(isinstance(t, torch.Tensor) and t.device == k.device for t in tensors):
+        return False
+    batch, heads_kv, _, dim = k.shape
+    if new_k.shape != (batch, heads_kv, 1, dim) or new_v.shape != new_k.shape or new_k.dtype != k.dtype or new_v.dtype != v.dtype:
+        return False
+    if new_k.stride(3) != 1 or new_v.stride(3) != 1 or new_k.requires_grad or new_v.requires_grad:
+        return False
+    return length.numel() == 1 and not length.is_floating_point() and done.numel() == 1 and done.dtype == torch.int32
+
+
 def slices(batch: int, heads_kv: int, keys: int) -> int:
     """Slices of the keys: as many as give about :data:`PROGRAMS` programs, each a multiple of
     :data:`BLOCK_S` keys."""
@@ -240,10 +275,16 @@ def slices(batch: int, heads_kv: int, keys: int) -> int:
     return max(1, min(blocks, PROGRAMS // max(batch * heads_kv, 1)))
 
 
-def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, pdl=False):
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, pdl=False, write=None):
     """``F.scaled_dot_product_attention(q, k, v, ...)``: by the kernel where :func:`takes` says
-    so, by PyTorch's otherwise."""
+    so, by PyTorch's otherwise. ``write``, where given, is ``(new_k, new_v, length, done)``: the
+    step's key and value rows (``[batch, key heads, 1, dim]``, the last dim contiguous) that the
+    kernel writes into ``k`` and ``v`` at slot ``length`` (a one-element int tensor on the device,
+    moved on by one) before it attends, ``done`` a zeroed int32 count of its programs (see
+    :func:`takes_write`; the caller checks that it does)."""
     if not takes(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if write is not None:
+            raise ValueError("decode_attention.attention: a write into the cache is given with a call the kernel does not take")
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)  # fmt: skip
     batch, heads, _, dim = q.shape
@@ -260,12 +301,15 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     sliced = pieces > 1
     parts = torch.empty((batch * heads * pieces, block_d), dtype=torch.float32, device=q.device) if sliced else out
     stats = torch.empty((batch * heads * pieces, 2), dtype=torch.float32, device=q.device) if sliced else out
+    new_k, new_v, length, done = write if write is not None else (q, q, q, q)
     _attend_launch[(batch * heads_kv, pieces)](
-        q, k, v, mask, out, parts, stats, keys, per_slice, 1.0 / math.sqrt(dim) if scale is None else float(scale), heads_kv,
+        q, k, v, mask, out, parts, stats, new_k, new_v, length, done,
+        keys, per_slice, 1.0 / math.sqrt(dim) if scale is None else float(scale), heads_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        *m_strides, out.stride(0), out.stride(1),
+        *m_strides, out.stride(0), out.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
-        MASK=kind, SLICED=sliced, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
+        MASK=kind, SLICED=sliced, WRITE=write is not None, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if sliced:
         _combine_launch[(batch * heads,)](

@@ -96,7 +96,7 @@ def _plain_layer(cache, layer_idx):
     return layer if type(layer).__name__ in STATIC_LAYERS and type(layer).__module__ == CACHE_MODULE else None
 
 
-def _static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torch.Tensor):
+def static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torch.Tensor):
     """The cache's layer ``layer_idx`` when the kernel can write it, else None."""
     layer = _plain_layer(cache, layer_idx)
     if layer is None or getattr(cache, "offloading", False) or not layer.is_initialized:
@@ -125,7 +125,7 @@ def _static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torc
 _DONE: dict[int, torch.Tensor] = {}  # id(length) -> its count of programs done
 
 
-def _done_count(length: torch.Tensor) -> torch.Tensor:
+def done_count(length: torch.Tensor) -> torch.Tensor:
     """The zeroed int32 count kept beside a layer's length while the length lives."""
     count = _DONE.get(id(length))
     if count is None:
@@ -138,7 +138,7 @@ def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_id
     """``cache.update(key_states, value_states, layer_idx, ...)``, in one kernel and the
     length's add in it, where the layer is a static one the kernel can write (module docstring);
     the kernel launched with programmatic dependent launch where ``pdl``."""
-    layer = _static_layer(cache, layer_idx, key_states, value_states)
+    layer = static_layer(cache, layer_idx, key_states, value_states)
     if layer is None:
         return cache.update(key_states, value_states, layer_idx, *args, **kwargs)
     if type(layer).__name__ == "StaticLayer":
@@ -163,7 +163,7 @@ def _write_at_the_length(layer, key_states: torch.Tensor, value_states: torch.Te
     rows = batch * heads * steps
     if rows:
         _write_at_length[(rows,)](
-            key_states, value_states, keys, values, layer.cumulative_length, _done_count(layer.cumulative_length),
+            key_states, value_states, keys, values, layer.cumulative_length, done_count(layer.cumulative_length),
             heads, steps, keys.shape[2],
             key_states.stride(0), key_states.stride(1), key_states.stride(2),
             value_states.stride(0), value_states.stride(1), value_states.stride(2),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fuser.trace.leaves import LEAF
+from fuser.trace.leaves import LEAF, TOOK_OVER
 from fuser.trace.refusal import module_path
 from fuser.pipeline.fuse_module import Plan
 from fuser.install.fixed_at_apply import read_attributes
@@ -83,8 +83,9 @@ def _keyed(value, index) -> str:
 
 
 def read_argument_at_run_time(graph, node_name: str, position: int, attribute: str) -> None:
-    """Make argument ``position`` of the node named ``node_name`` a read of ``self.<attribute>``."""
-    node = next(n for n in graph.nodes if n.name == node_name)
+    """Make argument ``position`` of the node named ``node_name`` (or of the call that took its
+    place, :data:`~fuser.trace.leaves.TOOK_OVER`) a read of ``self.<attribute>``."""
+    node = next(n for n in graph.nodes if node_name in (n.name, n.meta.get(TOOK_OVER)))
     with graph.inserting_before(node):
         read = graph.get_attr(attribute)
     node.update_arg(position, read)

@@ -291,6 +291,12 @@ def decode_attention_kernel(f: Fusing) -> None:
     f.decode_attention = decode_attentions.decode_attentions(f.graph, decode_attentions.on_gpu(f.traced.example_inputs), _pdl(f))
 
 
+def cache_write_by_attention(f: Fusing) -> None:
+    merged = dict(decode_attentions.cache_writes_in_attention(f.graph))
+    f.decode_attention = [f"{entry}, writing the cache before it ({merged[name]})" if (name := entry.split(" ")[0]) in merged
+                          else entry for entry in f.decode_attention]  # fmt: skip
+
+
 def compiled_forward(f: Fusing) -> None:
     f.forward = compile_forward(f.graph, f.module)
 
@@ -328,6 +334,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("gated_in_gemm", gated_by_gemm, "the gated activation act(gate)·up of a merged gate/up GEMM on the decode GEMM kernel computed by that kernel (the halves' columns in one program): no launch for it"),
     Pass("norm_in_gemm", norm_by_gemm, "an RMSNorm (of a residual add too) whose output only a GEMM on the decode GEMM kernel reads computed by that kernel as its prologue: no launch for it"),
     Pass("decode_attention", decode_attention_kernel, "attention calls of one query row (a decode step) on fuser's decode attention kernel, on a CUDA GPU: the query heads of a key head as one tile, the keys in slices, blocks the mask hides not read"),
+    Pass("cache_write_in_attention", cache_write_by_attention, "a plain StaticCache layer's write at decode made by the decode attention kernel that reads the cache next (the program whose slice holds the new slot): no launch for the write"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip
 

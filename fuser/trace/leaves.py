@@ -43,6 +43,9 @@ from fuser.trace.refusal import UNKNOWN_LOCATION, TraceRefused, calling_line, er
 MAX_AUTOMATIC_LEAVES = 64
 
 LEAF = "fuser_leaf"  # node.meta key of a call the trace kept opaque
+#: node.meta key of a fused graph's call that took a leaf call's place with its arguments at the
+#: same places (a rewrite merged the leaf into it): the leaf's node name
+TOOK_OVER = "fuser_took_over"
 
 _STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 _SITE = ("site-packages", "dist-packages")

@@ -32,7 +32,7 @@ class Taken:
 
     def __init__(self, monkeypatch):
         self.kernel = self.transformers = 0
-        found = kv_cache._static_layer
+        found = kv_cache.static_layer
 
         def spy(*args):
             layer = found(*args)
@@ -42,7 +42,7 @@ class Taken:
                 self.kernel += 1
             return layer
 
-        monkeypatch.setattr(kv_cache, "_static_layer", spy)
+        monkeypatch.setattr(kv_cache, "static_layer", spy)
 
 
 def states(batch, heads, steps, dim, dtype, seed=0, transposed_values=False):
@@ -92,7 +92,7 @@ def test_the_kernel_moves_the_length_on_itself(monkeypatch):
             patched.setattr(torch.Tensor, "add_", no_add)
             kv_cache.update(got, k, v, 0)
         expected.update(k, v, 0)
-        assert int(kv_cache._done_count(got.layers[0].cumulative_length)) == 0
+        assert int(kv_cache.done_count(got.layers[0].cumulative_length)) == 0
     assert_same_cache(got, expected)
 
 

@@ -106,6 +106,57 @@ def test_blocks_the_mask_hides_are_not_read(monkeypatch, fill):
         torch.testing.assert_close(got[b : b + 1], expected, atol=atol, rtol=rtol)
 
 
+def write_case(batch, heads, heads_kv, keys, dim, dtype, slot):
+    """A static cache of ``keys`` rows with ``slot`` written before the step, the step's new key
+    and value rows (views of a [batch, 1, heads, dim] projection, as transformers makes them),
+    the mask (rows up to the slot seen) and what the cache holds after the write."""
+    q, k, v = inputs(batch, heads, heads_kv, keys, dim, dtype, seed=slot)
+    g = torch.Generator().manual_seed(slot + 1)
+    new_k, new_v = (torch.randn(batch, 1, heads_kv, dim, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+    mask = static_cache_mask(batch, keys, [slot + 1] * batch, dtype)
+    k_after, v_after = k.clone(), v.clone()
+    if slot < keys:  # one past the cache: dropped
+        k_after[:, :, slot], v_after[:, :, slot] = new_k[:, :, 0], new_v[:, :, 0]
+    return q, k, v, new_k, new_v, mask, k_after, v_after
+
+
+WRITES = [(torch.bfloat16, shape, slot) for shape in [(1, 8, 2, 37, 16), (2, 4, 4, 200, 64), (1, 4, 1, 2100, 32)]
+          for slot in sorted({0, 63, 64, shape[3] // 2, shape[3] - 1, shape[3]})] + [
+          (dtype, (1, 32, 8, 256, 64), 100) for dtype in DTYPES]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,shape,slot", WRITES, ids=lambda x: str(x).removeprefix("torch."))
+def test_the_kernel_writes_the_step_s_rows_at_the_length_then_attends(dtype, shape, slot):
+    # The step's rows written at the cache's length (one slice holds that slot, a slice's first
+    # and last rows among them; one past the cache drops them), attention over the cache as
+    # written, the length moved on by one and the count of programs back at zero.
+    batch, heads, heads_kv, keys, dim = shape
+    q, k, v, new_k, new_v, mask, k_after, v_after = write_case(batch, heads, heads_kv, keys, dim, dtype, slot)
+    length, done = torch.tensor([slot]), torch.zeros(1, dtype=torch.int32)
+    assert decode_attention.takes_write(k, v, new_k, new_v, length, done)
+    got = attention(q, k, v, mask, enable_gqa=True, write=(new_k, new_v, length, done))
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, reference(q, k_after, v_after, mask), atol=atol, rtol=rtol)
+    assert torch.equal(k, k_after) and torch.equal(v, v_after)
+    assert length.tolist() == [slot + 1] and done.tolist() == [0]
+
+
+def test_a_write_it_cannot_make_is_refused():
+    q, k, v, new_k, new_v, mask, _, _ = write_case(1, 8, 2, 37, 16, torch.float32, 5)
+    length, done = torch.tensor([5]), torch.zeros(1, dtype=torch.int32)
+    cannot = {
+        "two new rows": dict(new_k=torch.cat([new_k, new_k], dim=2)),
+        "new rows of another dtype": dict(new_v=new_v.half()),
+        "a float length": dict(length=length.float()),
+        "a count of another dtype": dict(done=done.long()),
+    }
+    for what, change in cannot.items():
+        assert not decode_attention.takes_write(**(dict(k=k, v=v, new_k=new_k, new_v=new_v, length=length, done=done) | change)), what
+    with pytest.raises(ValueError, match="does not take"):
+        attention(q, k, v, mask, is_causal=True, enable_gqa=True, write=(new_k, new_v, length, done))
+    assert length.tolist() == [5]  # nothing written
+
+
 def test_a_head_that_sees_no_key_attends_as_pytorch_s_does():
     # Filled with -65504 everywhere (cuDNN's fill), a sequence sees no key: sdpa's softmax then
     # runs over all the keys' scores, each 65504 below zero; the kernel reads every block for it.
@@ -157,6 +208,26 @@ def test_compiled_kernel_is_sdpa_at_one_query_row(dtype, batch, heads, heads_kv,
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(got, sdpa, atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape,slot", [((1, 32, 8, 256, 64), 0), ((1, 32, 8, 256, 64), 130), ((1, 32, 8, 4096, 128), 2047),
+                                        ((1, 4, 1, 2100, 32), 2099), ((1, 4, 1, 2100, 32), 2100)])  # fmt: skip
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_compiled_kernel_writes_the_step_s_rows_then_attends(dtype, shape, slot, pdl):
+    # Compiled, the program that writes the new rows reads them from its registers, not from the
+    # memory its other threads wrote: the result is attention over the cache as written.
+    case = write_case(*shape, dtype, slot)
+    q, k, v, new_k, new_v, mask, k_after, v_after = (t.cuda() for t in case)
+    atol, rtol = TOLERANCES[dtype]
+    pdl = pdl and torch.cuda.get_device_capability() >= (9, 0)
+    for _ in range(2):  # Triton's dispatch, then the binary's own launcher
+        length, done = torch.tensor([slot], device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+        got = attention(q, k, v, mask, enable_gqa=True, pdl=pdl, write=(new_k, new_v, length, done))
+        torch.testing.assert_close(got, reference(q.cpu(), k_after.cpu(), v_after.cpu(), mask.cpu()).cuda(), atol=atol, rtol=rtol)
+        assert torch.equal(k, k_after) and torch.equal(v, v_after)
+        assert length.tolist() == [slot + 1] and done.tolist() == [0]
 
 
 def test_a_cache_that_grows_launches_the_same_binaries(monkeypatch):

@@ -1,14 +1,17 @@
 """fuser.pipeline.decode_attentions: on a GPU, a model's attention calls run on fuser's decode
 attention kernel at one query row of up to MAX_BATCH sequences, and greedy decode gives eager's
-logits; more sequences, switched off, or on the CPU, the calls are PyTorch's."""
+logits; more sequences, switched off, or on the CPU, the calls are PyTorch's. The static cache's
+write before such a call is made by the same kernel."""
 
 import copy
+import operator
 
 import pytest
 import torch
+import torch.fx as fx
 
 import fuser
-from fuser.install import decode_attention
+from fuser.install import cache_in_attention, decode_attention
 from fuser.pipeline import decode_attentions
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import BATCH, PROMPT, greedy, prefilled, step
@@ -22,9 +25,19 @@ def no_grad():
 
 
 def kernel_calls(monkeypatch) -> list:
+    """Each launch of the attention kernel, as the query's shape and whether it wrote the cache."""
     calls = []
-    real = decode_attention.takes
-    monkeypatch.setattr(decode_attention, "takes", lambda *a, **k: (calls.append(a[0].shape) or True) and real(*a, **k))
+    real = decode_attention._attend_launch
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((args[0].shape, kwargs["WRITE"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(decode_attention, "_attend_launch", Spy())
     return calls
 
 
@@ -45,7 +58,7 @@ def test_a_model_s_attention_runs_on_the_kernel_and_decode_is_eager_s(monkeypatc
     assert calls == [], calls  # BATCH sequences: more than the kernel is called for, PyTorch's
     monkeypatch.setattr(decode_attention, "MAX_BATCH", BATCH)
     fused = greedy(model, copy.deepcopy(cache), tokens)
-    assert len(calls) == 2 * len(fused) and all(shape[0] == BATCH and shape[2] == 1 for shape in calls), calls
+    assert len(calls) == 2 * len(fused) and all(shape[0] == BATCH and shape[2] == 1 for shape, _ in calls), calls
     for i, (got, expected) in enumerate(zip(fused, eager)):
         problem = mismatch(got, expected, f"logits at step {i}", LAYER)
         assert problem is None, problem
@@ -64,3 +77,58 @@ def test_switched_off_or_on_the_cpu_the_calls_are_pytorch_s(monkeypatch, how):
     monkeypatch.setattr(decode_attention, "MAX_BATCH", BATCH)
     greedy(model, copy.deepcopy(cache), tokens)
     assert calls == []
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3"])
+@pytest.mark.parametrize("how", ["merged", "switched off"])
+def test_the_cache_write_runs_in_the_attention_kernel_and_decode_is_eager_s(monkeypatch, model_name, how):
+    # The static cache's write and the attention after it as one kernel at decode: the cache
+    # holds eager's rows after each step, the logits are eager's; more sequences than the kernel
+    # is called for, the write and PyTorch's attention run apart as before.
+    model = causal_lm(model_name, layers=2)
+    cache, tokens = prefilled(model)
+    eager_model = copy.deepcopy(model)
+    monkeypatch.setattr(decode_attentions, "on_gpu", lambda inputs: True)  # as on a GPU
+    off = ("cache_write_in_attention",) if how == "switched off" else ()
+    report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)), disable_passes=off)
+    (line,) = report.groups[0].report.decode_attention
+    assert ("writing the cache before it (past_key_values.update)" in line) == (how == "merged"), line
+
+    calls = kernel_calls(monkeypatch)
+    eager_cache, fused_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    eager = greedy(eager_model, eager_cache, tokens)
+    for max_batch in (1, BATCH):
+        monkeypatch.setattr(decode_attention, "MAX_BATCH", max_batch)
+        calls.clear()
+        fused_cache = copy.deepcopy(cache)
+        fused = greedy(model, fused_cache, tokens)
+        assert [wrote for _, wrote in calls] == [how == "merged"] * 2 * len(fused) if max_batch == BATCH else calls == [], calls
+        for i, (got, expected) in enumerate(zip(fused, eager)):
+            problem = mismatch(got, expected, f"logits at step {i}, up to {max_batch} sequences", LAYER)
+            assert problem is None, problem
+        for i, (got, expected) in enumerate(zip(fused_cache.layers, eager_cache.layers)):
+            assert torch.equal(got.cumulative_length, expected.cumulative_length), i
+            for name in ("keys", "values"):
+                problem = mismatch(getattr(got, name), getattr(expected, name), f"layer {i}'s cached {name}", LAYER)
+                assert problem is None, problem
+
+
+def test_a_cache_read_between_the_write_and_the_attention_keeps_them_apart():
+    # Rewritten by hand: the update, then a read of the cache object, then the attention: the
+    # attention's write would come after that read, so the two stay apart. Without the read, merged.
+    from fuser.install import kv_cache
+
+    def graph(read_between: bool) -> fx.Graph:
+        g = fx.Graph()
+        cache, q, k, v = (g.placeholder(n) for n in ("past_key_values", "q", "k", "v"))
+        update = g.call_function(kv_cache.updater(False), (cache, k, v, 0))
+        keys, values = (g.call_function(operator.getitem, (update, i)) for i in (0, 1))
+        if read_between:
+            g.call_method("get_seq_length", (cache,))
+        g.output(g.call_function(decode_attention.launcher(False), (q, keys, values), {"enable_gqa": True}))
+        return g
+
+    assert decode_attentions.cache_writes_in_attention(graph(True)) == []
+    merged = graph(False)
+    assert decode_attentions.cache_writes_in_attention(merged) == [("decode_attention", "past_key_values.update")]
+    assert [n.target for n in merged.nodes if n.op == "call_function"] == [cache_in_attention.writer(False)]
