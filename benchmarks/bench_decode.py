@@ -67,6 +67,7 @@ FUSER_VARIANTS = (
     ("fuser -decode_gemm", dict(disable_passes=("decode_gemm",))),
     ("fuser -gated_in_gemm", dict(disable_passes=("gated_in_gemm",))),
     ("fuser -decode_attention", dict(disable_passes=("decode_attention",))),
+    ("fuser -cache_write_in_attention", dict(disable_passes=("cache_write_in_attention",))),
     ("fuser -norm_in_gemm", dict(disable_passes=("norm_in_gemm",))),
     ("fuser -activation_in_gemm", dict(disable_passes=("activation_in_gemm",))),
     ("fuser -glue_across_layers", dict(disable_passes=("glue_across_layers",))),
