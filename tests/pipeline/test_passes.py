@@ -44,6 +44,7 @@ NAMES = [
     "gated_in_gemm",
     "norm_in_gemm",
     "decode_attention",
+    "cache_write_in_attention",
     "compile_forward",
 ]
 REQUIRED = ["trace", "canonicalize", "place", "rewrite_graph", "compile_forward"]
