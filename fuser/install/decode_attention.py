@@ -58,9 +58,9 @@ MAX_GROUP = 64
 #: 1080: benchmarks/results/README.md).
 MAX_BATCH = 1
 #: Programs a call aims at (four an SM of an H100 or H200): the keys are sliced until there are as
-#: many. At long caches a program an SM left the memory idle: 16 attention calls of Llama-3.2-1B's
-#: heads at 16384 keys took 36.4 µs a call at 132 programs, 17.4 at 528 (an H100;
-#: benchmarks/results/README.md, "The attention kernel's slices").
+#: many. At long caches a program an SM left the memory idle: Llama-3.2-1B's heads at 16384 keys
+#: took 36.7 µs a call at 132 programs, 18.3 at 528 (an H100; benchmarks/results/README.md, "The
+#: attention kernel's slices").
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16
