@@ -8,9 +8,11 @@ query the output of the one before, each its own cache, as a decode step does), 
 chain in a CUDA graph with PDL and times a replay, with the slices forced to 1 to 256 (at one
 sequence) and as the kernel chooses them for targets of 132 to 1056 programs (``auto@N``), beside
 PyTorch's ``F.scaled_dot_product_attention`` (``sdpa``), for Llama-3.2-1B's heads (32 query, 8
-key, 64 wide) and Qwen3-8B's (32, 8, 128) at several cache lengths and sequence counts.
+key, 64 wide) and Qwen3-8B's (32, 8, 128) at several cache lengths and sequence counts. With
+``--masked`` each call gets transformers' static-cache mask instead (its last 96 slots hidden),
+and the kernel is timed with its values loaded the other way too (``EARLY_V`` flipped).
 
-    PYTHONPATH=. python benchmarks/probe_attention_slices.py [--batches 1,8] [--out FILE.json]
+    PYTHONPATH=. python benchmarks/probe_attention_slices.py [--batches 1,8] [--masked] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ FORCED = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Targets of programs for the kernel's own choice (its ``PROGRAMS``), compared as "auto@N".
 PROGRAMS = (132, 264, 528, 1056)
 LAYERS = 16
+ROOM = 96  # a masked cache's slots past the tokens (as bench_decode's)
 
 
-def chain_us(attend, batch: int, heads: int, heads_kv: int, dim: int, keys: int, layers: int = LAYERS) -> float:
+def chain_us(attend, batch: int, heads: int, heads_kv: int, dim: int, keys: int, layers: int = LAYERS, masked: bool = False) -> float:
     g = torch.Generator(device="cuda").manual_seed(0)
+    mask = None
+    if masked:  # transformers' static cache: the last ROOM slots not written yet, filled with finfo.min
+        mask = torch.zeros(batch, 1, 1, keys, device="cuda", dtype=torch.bfloat16)
+        mask[..., keys - ROOM :] = torch.finfo(torch.bfloat16).min
     caches = [(torch.randn(batch, heads_kv, keys, dim, device="cuda", dtype=torch.bfloat16, generator=g),
                torch.randn(batch, heads_kv, keys, dim, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(layers)]  # fmt: skip
     q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -42,7 +49,7 @@ def chain_us(attend, batch: int, heads: int, heads_kv: int, dim: int, keys: int,
     def step():
         x = q
         for k, v in caches:
-            x = attend(x, k, v)
+            x = attend(x, k, v, mask)
         return x
 
     step()
@@ -53,17 +60,28 @@ def chain_us(attend, batch: int, heads: int, heads_kv: int, dim: int, keys: int,
     return replay_time_us(graph, 100) / layers
 
 
-def kernel(q, k, v):
-    return decode_attention.attention(q, k, v, enable_gqa=True, pdl=True)
+def kernel(q, k, v, mask=None):
+    return decode_attention.attention(q, k, v, mask, enable_gqa=True, pdl=True)
 
 
-def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+def sdpa(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def early_v(q, k, v, mask=None):
+    kept = decode_attention.EARLY_V
+    decode_attention.EARLY_V = not kept
+    try:
+        return kernel(q, k, v, mask)
+    finally:
+        decode_attention.EARLY_V = kept
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1")
+    p.add_argument("--masked", action="store_true", help="give each call transformers' static-cache mask, and time "
+                   "the kernel with its values loaded the other way (EARLY_V flipped)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     chosen = decode_attention.slices
@@ -73,7 +91,13 @@ def main(argv=None) -> int:
             for keys in KEYS:
                 shape = (batch, heads, heads_kv, dim, keys)
                 row = {"model": model, "batch": batch, "keys": keys, "auto_slices": chosen(batch, heads_kv, keys),
-                       "sdpa": round(chain_us(sdpa, *shape), 2), "kernel": round(chain_us(kernel, *shape), 2)}  # fmt: skip
+                       "sdpa": round(chain_us(sdpa, *shape, masked=args.masked), 2),
+                       "kernel": round(chain_us(kernel, *shape, masked=args.masked), 2)}  # fmt: skip
+                if args.masked:
+                    row[f"kernel, EARLY_V={not decode_attention.EARLY_V}"] = round(chain_us(early_v, *shape, masked=True), 2)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    continue
                 for forced in FORCED if batch == 1 else ():
                     if forced > -(-keys // decode_attention.BLOCK_S):
                         continue
@@ -93,7 +117,7 @@ def main(argv=None) -> int:
                 rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "programs": decode_attention.PROGRAMS, "rows": rows,
+            json.dump({"gpu": torch.cuda.get_device_name(), "programs": decode_attention.PROGRAMS, "masked": args.masked, "rows": rows,
                        "us_per_call": True}, f, indent=1)  # fmt: skip
     return 0
 

@@ -64,6 +64,8 @@ MAX_BATCH = 1
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16
+#: Are a block's values loaded beside its keys (both loads in flight at once), not after the scores?
+EARLY_V = False
 #: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
 HIDDEN = -65504.0
 #: Mask kinds (``MASK``): none, additive, boolean.
@@ -87,7 +89,7 @@ def _attend(
     q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h, nk_b, nk_h, nv_b, nv_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     MASK: tl.constexpr, SLICED: tl.constexpr, WRITE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
-    HIDDEN: tl.constexpr,
+    HIDDEN: tl.constexpr, EARLY_V: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
     slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
@@ -142,6 +144,8 @@ def _attend(
         best = tl.maximum(best, top)
         if not skip:  # a block the mask hides from every head is not read
             k = tl.load(k_ptr + b * k_b + kvh * k_h + s[:, None] * k_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            if EARLY_V:  # the values' load in flight beside the keys'
+                v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
             if WRITE:  # the new row as written, whichever of the program's threads wrote it
                 k = tl.where((s_ok & (s == length))[:, None], new_k[None, :], k)
             scores = _product(q, tl.trans(k), EXACT)
@@ -151,7 +155,8 @@ def _attend(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            if not EARLY_V:
+                v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
             if WRITE:
                 v = tl.where((s_ok & (s == length))[:, None], new_v[None, :], v)
             acc = acc * alpha[:, None] + _product(to_dtype(p, v.dtype), v, EXACT)
@@ -309,7 +314,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         *m_strides, out.stride(0), out.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
         MASK=kind, SLICED=sliced, WRITE=write is not None, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN,
-        num_warps=4, launch_pdl=pdl,
+        EARLY_V=EARLY_V, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if sliced:
         _combine_launch[(batch * heads,)](
