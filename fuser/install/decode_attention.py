@@ -55,7 +55,7 @@ MIN_ROWS = 16
 MAX_GROUP = 64
 #: The most sequences a call the kernel takes: one. At batch 8 on an H100 cuDNN's attention was
 #: the faster (Llama-3.2-1B's step 1356 µs on cuDNN's, 1413 on the kernel; at batch 1 1114 and
-#: 1080: benchmarks/results/README.md).
+#: 1080), and at 528 programs flash's still is but at 1024 keys (benchmarks/results/README.md).
 MAX_BATCH = 1
 #: Programs a call aims at (four an SM of an H100 or H200): the keys are sliced until there are as
 #: many. At long caches a program an SM left the memory idle: Llama-3.2-1B's heads at 16384 keys
