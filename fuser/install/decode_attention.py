@@ -45,6 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fuser.codegen.emit import forbid_compile_during_capture
 from fuser.codegen.fast_launch import fast
+from fuser.install.kv_cache import move_length_on
 from fuser.install.rounding import exact_products, to_dtype
 
 #: Keys a block of the loop (rows of one ``tl.dot``); a slice of the keys is a multiple of it.
@@ -170,11 +171,7 @@ def _attend(
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     if WRITE:
-        # Every program read the length before it counts itself done (acq_rel): the last one
-        # stores the new length and sets the count back to zero for the next call.
-        if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
-            tl.store(length_ptr, length + 1)
-            tl.store(done_ptr, 0)
+        move_length_on(length_ptr, done_ptr, length, 1, tl.num_programs(0) * tl.num_programs(1))
 
 
 @triton.jit

@@ -72,9 +72,17 @@ def _write_at_length(
     at = b * c_b + h * c_h + slot * c_s + d
     tl.store(keys_ptr + at, key, mask=mask)
     tl.store(values_ptr + at, value, mask=mask)
+    move_length_on(length_ptr, done_ptr, length, steps, tl.num_programs(0))
+
+
+@triton.jit
+def move_length_on(length_ptr, done_ptr, length, steps, programs):
+    """The end of each of a kernel's ``programs`` that wrote a cache at ``length`` (which each
+    read): the last to finish stores ``length + steps`` and sets the count ``done_ptr`` (kept
+    zeroed between calls, :func:`done_count`) back to zero."""
     # Every program read the length before it counts itself done (acq_rel): the last one
     # stores the new length and sets the count back to zero for the next call.
-    if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
+    if tl.atomic_add(done_ptr, 1) == programs - 1:
         tl.store(length_ptr, length + steps)
         tl.store(done_ptr, 0)
 
