@@ -6,9 +6,7 @@ run, and a second kernel combines the slices. Too few slices leave the memory id
 caches; too many pay for the combining. This probe chains 16 attention calls (one a layer, each
 query the output of the one before, each its own cache, as a decode step does), captures the
 chain in a CUDA graph with PDL and times a replay, with the slices forced to 1 to 256 (at one
-sequence) and as the kernel chooses them for targets of 132 to 1056 programs (``auto@N``), its
-slices combined by the combining kernel rather than by each key head's last program
-(``combining kernel``), beside
+sequence) and as the kernel chooses them for targets of 132 to 1056 programs (``auto@N``), beside
 PyTorch's ``F.scaled_dot_product_attention`` (``sdpa``), for Llama-3.2-1B's heads (32 query, 8
 key, 64 wide) and Qwen3-8B's (32, 8, 128) at several cache lengths and sequence counts. With
 ``--masked`` each call gets transformers' static-cache mask instead (its last 96 slots hidden),
@@ -70,15 +68,6 @@ def sdpa(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def combining_kernel(q, k, v, mask=None):
-    kept = decode_attention.FOLDED_SLICES
-    decode_attention.FOLDED_SLICES = 0
-    try:
-        return kernel(q, k, v, mask)
-    finally:
-        decode_attention.FOLDED_SLICES = kept
-
-
 def early_v(q, k, v, mask=None):
     kept = decode_attention.EARLY_V
     decode_attention.EARLY_V = not kept
@@ -103,8 +92,7 @@ def main(argv=None) -> int:
                 shape = (batch, heads, heads_kv, dim, keys)
                 row = {"model": model, "batch": batch, "keys": keys, "auto_slices": chosen(batch, heads_kv, keys),
                        "sdpa": round(chain_us(sdpa, *shape, masked=args.masked), 2),
-                       "kernel": round(chain_us(kernel, *shape, masked=args.masked), 2),
-                       "combining kernel": round(chain_us(combining_kernel, *shape, masked=args.masked), 2)}  # fmt: skip
+                       "kernel": round(chain_us(kernel, *shape, masked=args.masked), 2)}  # fmt: skip
                 if args.masked:
                     row[f"kernel, EARLY_V={not decode_attention.EARLY_V}"] = round(chain_us(early_v, *shape, masked=True), 2)
                     print(json.dumps(row), flush=True)

@@ -8,10 +8,8 @@ a layer for a 256-row cache of Llama-3.2-1B. The kernel gives each program one k
 sequence (the query heads of its group, padded to 16 rows, as one ``tl.dot`` against each block
 of keys) over one slice of the keys, with the online softmax in fp32; the probabilities are
 rounded to the values' dtype before their product with the values, as flash and cuDNN round
-them. A call with more key rows than one slice runs the slices as programs of their own, each
-leaving its running max, sum and weighted values; the last program of a key head to finish
-combines its heads' slices (a count a key head, kept zeroed between calls, tells it that it is
-the last), or, past :data:`FOLDED_SLICES` slices, a second kernel combines them.
+them. A call with more key rows than one slice runs the slices as programs of their own and a
+second kernel combines them (each slice's running max, sum and weighted values).
 
 A block of keys that the mask hides from every query head (``-inf`` in an additive mask,
 ``False`` in a boolean one) is not read: a static cache passes its whole length to the call
@@ -67,13 +65,6 @@ MAX_BATCH = 1
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16
-#: The most slices a key head's last program combines itself (more: the combining kernel, whose
-#: program a query head reads a quarter as much).
-FOLDED_SLICES = 64
-#: Values (a head's slice times its width, fp32) the last program reads at a time as it combines.
-FOLD_READ = 8192
-#: The most programs of key heads (sequences × key heads) a call's counts cover (more: the combining kernel).
-COUNTS = 4096
 #: Are a block's values loaded beside its keys (both loads in flight at once), not after the scores?
 EARLY_V = False
 #: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
@@ -94,17 +85,16 @@ def _product(a, b, EXACT: tl.constexpr):
 
 @triton.jit
 def _attend(
-    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, new_k_ptr, new_v_ptr, length_ptr, done_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, new_k_ptr, new_v_ptr, length_ptr, done_ptr,
     S, per_slice, scale, heads_kv,
     q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h, nk_b, nk_h, nv_b, nv_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MASK: tl.constexpr, SLICED: tl.constexpr, FOLD: tl.constexpr, FOLD_CHUNK: tl.constexpr, WRITE: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr, HIDDEN: tl.constexpr, EARLY_V: tl.constexpr,
+    MASK: tl.constexpr, SLICED: tl.constexpr, WRITE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
+    HIDDEN: tl.constexpr, EARLY_V: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
     slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
-    and unnormalised weighted values, combined by the key head's last program to finish where
-    ``FOLD`` (:func:`_combine_slices`), else by :func:`_combine`. With ``WRITE`` the step's new key and
+    and unnormalised weighted values for :func:`_combine`. With ``WRITE`` the step's new key and
     value rows are written at the cache's length first (by the program whose slice holds that
     slot; one past the cache is dropped) and read from the registers where the loop meets them;
     the last program to finish moves the length on by one."""
@@ -177,52 +167,11 @@ def _attend(
         tl.store(part_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
         tl.store(stat_ptr + row * 2, m_i, mask=g_ok)
         tl.store(stat_ptr + row * 2 + 1, l_i, mask=g_ok)
-        if FOLD:
-            # Every thread's stores above come before the count (the barrier; the add releases
-            # them), and the last program's reads after it (the add acquires them).
-            tl.debug_barrier()
-            if tl.atomic_add(count_ptr + bh, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                tl.store(count_ptr + bh, 0)
-                _combine_slices(part_ptr, stat_ptr, o_ptr, b, heads, g_ok, heads_kv * GROUP, tl.num_programs(1), o_b, o_h,
-                                D, BLOCK_D, ROWS, FOLD_CHUNK)  # fmt: skip
     else:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     if WRITE:
         move_length_on(length_ptr, done_ptr, length, 1, tl.num_programs(0) * tl.num_programs(1))
-
-
-@triton.jit
-def _combine_slices(part_ptr, stat_ptr, o_ptr, b, heads, g_ok, n_heads, slices, o_b, o_h,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """The output of query heads ``heads`` (``ROWS`` of them, ``g_ok`` the real ones) of sequence
-    ``b``: their slices' weighted values rescaled to each head's largest max and summed, in one
-    pass of ``CHUNK`` slices at a time (each head's max so far, the sums rescaled as it grows: a
-    short cache's slices all read at once); the slices' rows read from L2, where other programs
-    wrote them."""
-    c = tl.arange(0, CHUNK)
-    d = tl.arange(0, BLOCK_D)
-    first = (b * n_heads + heads) * slices
-    top = tl.full((ROWS,), float("-inf"), tl.float32)
-    acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
-    sums = tl.zeros((ROWS,), tl.float32)
-    start = 0
-    while start < slices:
-        row = first[:, None] + start + c[None, :]
-        ok = g_ok[:, None] & (start + c < slices)[None, :]
-        start += CHUNK
-        m = tl.load(stat_ptr + row * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(stat_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        parts = tl.load(part_ptr + row[:, :, None] * BLOCK_D + d[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        new_top = tl.maximum(top, tl.max(m, axis=1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # no slice with a key yet: nothing to scale
-        alpha = tl.exp(top - safe)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - safe[:, None]))
-        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], axis=1)
-        sums = sums * alpha + tl.sum(l * w, axis=1)
-        top = new_top
-    out = acc / sums[:, None]
-    tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -283,23 +232,6 @@ def _mask_kind(mask, q: torch.Tensor, batch: int, heads: int, keys: int) -> int 
     if mask.dtype == torch.bool:
         return BOOLEAN
     return ADDITIVE if mask.dtype == q.dtype else None
-
-
-_COUNTS: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> zeroed counts of slices done
-
-
-def _slice_counts(device: torch.device) -> torch.Tensor:
-    """:data:`COUNTS` zeroed int32 counts, one a key head of a call, for calls on the current
-    stream of ``device`` (kernels on one stream do not overlap: each waits for the one before,
-    with PDL too, before it counts). Each call's last programs set theirs back to zero."""
-    key = (-1, 0)  # Triton's interpreter: one program at a time
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch._C._cuda_getCurrentRawStream(index))
-    counts = _COUNTS.get(key)
-    if counts is None:
-        counts = _COUNTS[key] = torch.zeros(COUNTS, dtype=torch.int32, device=device)
-    return counts
 
 
 def takes(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
@@ -369,22 +301,19 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     pieces = triton.cdiv(keys, per_slice)
     block_d = max(16, triton.next_power_of_2(dim))  # (tl.dot's smallest)
     sliced = pieces > 1
-    fold = sliced and pieces <= FOLDED_SLICES and batch * heads_kv <= COUNTS
-    rows = max(MIN_ROWS, triton.next_power_of_2(group))
     parts = torch.empty((batch * heads * pieces, block_d), dtype=torch.float32, device=q.device) if sliced else out
     stats = torch.empty((batch * heads * pieces, 2), dtype=torch.float32, device=q.device) if sliced else out
     new_k, new_v, length, done = write if write is not None else (q, q, q, q)
-    counts = _slice_counts(q.device) if fold else q
     _attend_launch[(batch * heads_kv, pieces)](
-        q, k, v, mask, out, parts, stats, new_k, new_v, length, done, counts,
+        q, k, v, mask, out, parts, stats, new_k, new_v, length, done,
         keys, per_slice, 1.0 / math.sqrt(dim) if scale is None else float(scale), heads_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *m_strides, out.stride(0), out.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        GROUP=group, ROWS=rows, D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, MASK=kind, SLICED=sliced, FOLD=fold,
-        FOLD_CHUNK=max(1, FOLD_READ // (rows * block_d)), WRITE=write is not None, EXACT=exact_products(q.dtype),
-        PDL=pdl, HIDDEN=HIDDEN, EARLY_V=EARLY_V, num_warps=4, launch_pdl=pdl,
+        GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
+        MASK=kind, SLICED=sliced, WRITE=write is not None, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN,
+        EARLY_V=EARLY_V, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    if sliced and not fold:
+    if sliced:
         _combine_launch[(batch * heads,)](
             parts, stats, out, heads, out.stride(0), out.stride(1), pieces,
             CHUNK=CHUNK, D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1 if CHUNK * block_d <= 2048 else 4, launch_pdl=pdl,

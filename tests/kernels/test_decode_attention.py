@@ -82,28 +82,6 @@ def test_the_slices_give_about_one_program_an_sm_each_of_whole_blocks():
     assert slices(1, 1, 10) == 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("folded", [True, False], ids=["last program combines", "combining kernel"])
-def test_the_slices_are_combined_by_a_key_head_s_last_program_or_a_kernel(monkeypatch, dtype, folded):
-    # 33 slices of Qwen3-like groups (several reads of the slices as it combines), heads of a
-    # group padded; each key head's count of slices done back at zero after the call.
-    monkeypatch.setattr(decode_attention, "_COUNTS", {})
-    if not folded:
-        monkeypatch.setattr(decode_attention, "FOLDED_SLICES", 32)
-    launched = []
-    combine = decode_attention._combine_launch
-    monkeypatch.setattr(decode_attention, "_combine_launch", type("Spy", (), {"__getitem__": lambda self, grid: (
-        launched.append(grid), combine[grid])[1]})())  # fmt: skip
-    q, k, v = inputs(2, 12, 2, 2100, 128, dtype, seed=3)
-    mask = static_cache_mask(2, 2100, [2100, 1500], dtype)
-    assert slices(2, 2, 2100) == 33
-    atol, rtol = TOLERANCES[dtype]
-    for _ in range(2):
-        torch.testing.assert_close(attention(q, k, v, mask, enable_gqa=True), reference(q, k, v, mask), atol=atol, rtol=rtol)
-    assert len(launched) == (0 if folded else 2)
-    assert all(not counts.any() for counts in decode_attention._COUNTS.values()) and len(decode_attention._COUNTS) == folded
-
-
 @pytest.mark.parametrize("fill", [float("-inf"), -65504.0, "finfo.min"])
 def test_blocks_the_mask_hides_are_not_read(monkeypatch, fill):
     # A static cache of 1000 rows, 70 and 130 written: rows past them hold NaN. Read, they would
@@ -252,37 +230,6 @@ def test_compiled_kernel_writes_the_step_s_rows_then_attends(dtype, shape, slot,
         assert length.tolist() == [slot + 1] and done.tolist() == [0]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("folded", [True, False], ids=["last program combines", "combining kernel"])
-def test_compiled_slices_are_combined_alike_at_every_replay(monkeypatch, folded):
-    # The last program of a key head reads the other programs' slices: were a read to run ahead
-    # of a write (the ordering the barrier and the count's acquire-release give), a replay would
-    # differ from the others. 24 calls in a CUDA graph with PDL, replayed 20 times, each output
-    # bitwise the first eager call's; the counts back at zero.
-    if not folded:
-        monkeypatch.setattr(decode_attention, "FOLDED_SLICES", 0)
-    q, k, v = (t.cuda() for t in inputs(1, 32, 8, 4096, 128, torch.bfloat16, seed=5))
-    mask = static_cache_mask(1, 4096, [4000], torch.bfloat16, fill=-65504.0).cuda()
-    pdl = torch.cuda.get_device_capability() >= (9, 0)
-    expected = attention(q, k, v, mask, enable_gqa=True, pdl=pdl)
-    torch.testing.assert_close(expected, reference(q.cpu(), k.cpu(), v.cpu(), mask.cpu()).cuda(), atol=1.6e-2, rtol=1.6e-2)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        attention(q, k, v, mask, enable_gqa=True, pdl=pdl)  # this stream's counts made before the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = [attention(q, k, v, mask, enable_gqa=True, pdl=pdl) for _ in range(24)]
-    for _ in range(20):
-        for out in outs:
-            out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(out, expected) for out in outs)
-    assert all(not counts.any() for counts in decode_attention._COUNTS.values())
-
-
 def test_a_cache_that_grows_launches_the_same_binaries(monkeypatch):
     # A dynamic cache grows a key a step: the kernels' constants (what Triton compiles a binary
     # for) must not follow the key count, or decode would compile as it goes.
@@ -290,12 +237,6 @@ def test_a_cache_that_grows_launches_the_same_binaries(monkeypatch):
     for name in ("_attend_launch", "_combine_launch"):
         monkeypatch.setattr(decode_attention, name, type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: constants.append(
             tuple(sorted((key, v) for key, v in k.items() if key.isupper())))})())  # fmt: skip
-    for keys in (130, 300, 700, 1000):
-        q, k, v = inputs(1, 8, 2, keys, 64, torch.bfloat16)
-        attention(q, k, v, static_cache_mask(1, keys, [keys - 5], torch.bfloat16), enable_gqa=True)
-    assert len(constants) == 4 and len(set(constants)) == 1, set(constants)  # the slices combined in it
-    constants.clear()
-    monkeypatch.setattr(decode_attention, "FOLDED_SLICES", 1)
     for keys in (130, 300, 700, 1000):
         q, k, v = inputs(1, 8, 2, keys, 64, torch.bfloat16)
         attention(q, k, v, static_cache_mask(1, keys, [keys - 5], torch.bfloat16), enable_gqa=True)
