@@ -9,8 +9,7 @@ chain in a CUDA graph with PDL and times a replay, with the slices forced to 1 t
 sequence) and as the kernel chooses them for targets of 132 to 1056 programs (``auto@N``), beside
 PyTorch's ``F.scaled_dot_product_attention`` (``sdpa``), for Llama-3.2-1B's heads (32 query, 8
 key, 64 wide) and Qwen3-8B's (32, 8, 128) at several cache lengths and sequence counts. With
-``--masked`` each call gets transformers' static-cache mask instead (its last 96 slots hidden),
-and the kernel is timed with its values loaded the other way too (``EARLY_V`` flipped).
+``--masked`` each call gets transformers' static-cache mask instead (its last 96 slots hidden).
 
     PYTHONPATH=. python benchmarks/probe_attention_slices.py [--batches 1,8] [--masked] [--out FILE.json]
 """
@@ -68,20 +67,10 @@ def sdpa(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def early_v(q, k, v, mask=None):
-    kept = decode_attention.EARLY_V
-    decode_attention.EARLY_V = not kept
-    try:
-        return kernel(q, k, v, mask)
-    finally:
-        decode_attention.EARLY_V = kept
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1")
-    p.add_argument("--masked", action="store_true", help="give each call transformers' static-cache mask, and time "
-                   "the kernel with its values loaded the other way (EARLY_V flipped)")
+    p.add_argument("--masked", action="store_true", help="give each call transformers' static-cache mask")
     p.add_argument("--out")
     args = p.parse_args(argv)
     chosen = decode_attention.slices
@@ -93,24 +82,19 @@ def main(argv=None) -> int:
                 row = {"model": model, "batch": batch, "keys": keys, "auto_slices": chosen(batch, heads_kv, keys),
                        "sdpa": round(chain_us(sdpa, *shape, masked=args.masked), 2),
                        "kernel": round(chain_us(kernel, *shape, masked=args.masked), 2)}  # fmt: skip
-                if args.masked:
-                    row[f"kernel, EARLY_V={not decode_attention.EARLY_V}"] = round(chain_us(early_v, *shape, masked=True), 2)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-                    continue
                 for forced in FORCED if batch == 1 else ():
                     if forced > -(-keys // decode_attention.BLOCK_S):
                         continue
                     decode_attention.slices = lambda batch, h, k, s=forced: s
                     try:
-                        row[f"slices={forced}"] = round(chain_us(kernel, *shape), 2)
+                        row[f"slices={forced}"] = round(chain_us(kernel, *shape, masked=args.masked), 2)
                     finally:
                         decode_attention.slices = chosen
                 kept = decode_attention.PROGRAMS
                 for programs in PROGRAMS:
                     decode_attention.PROGRAMS = programs
                     try:
-                        row[f"auto@{programs}"] = round(chain_us(kernel, *shape), 2)
+                        row[f"auto@{programs}"] = round(chain_us(kernel, *shape, masked=args.masked), 2)
                     finally:
                         decode_attention.PROGRAMS = kept
                 print(json.dumps(row), flush=True)

@@ -18,7 +18,8 @@ an additive mask fills with a large negative value (cuDNN's -65504, ``finfo.min`
 of the program has seen a key of its slice that the mask does not hide: such a key's weight,
 ``exp`` of a score 65504 below the largest, is 0 in fp32, as it is in PyTorch's kernels. (A slice
 of hidden keys alone is read: a head that sees no key at all attends over them all, as in
-PyTorch's.)
+PyTorch's.) A program reads the mask a block ahead: the next block's in flight while this one's
+keys are read, so that only a slice's first block waits for its mask before its keys.
 
 Taken: one query row (``q`` of ``[batch, heads, 1, dim]``), keys and values of ``[batch, key
 heads, keys, dim]`` with the query heads a multiple of the key heads (``enable_gqa``, or as many
@@ -65,8 +66,6 @@ MAX_BATCH = 1
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16
-#: Are a block's values loaded beside its keys (both loads in flight at once), not after the scores?
-EARLY_V = False
 #: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
 HIDDEN = -65504.0
 #: Mask kinds (``MASK``): none, additive, boolean.
@@ -84,13 +83,27 @@ def _product(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _bias(m_ptr, b, heads, g_ok, first, end, m_b, m_h, m_s, MASK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The mask of the block of keys from ``first`` (``-inf`` past ``end`` and for padded heads),
+    as an fp32 bias of ``[heads, keys]``."""
+    s = first + tl.arange(0, BLOCK_S)
+    ok = g_ok[:, None] & (s < end)[None, :]
+    if MASK == 1:
+        return tl.load(m_ptr + b * m_b + heads[:, None] * m_h + s[None, :] * m_s, mask=ok, other=float("-inf")).to(tl.float32)
+    if MASK == 2:
+        seen = tl.load(m_ptr + b * m_b + heads[:, None] * m_h + s[None, :] * m_s, mask=ok, other=0)
+        return tl.where(seen != 0, 0.0, float("-inf"))
+    return tl.where(ok, 0.0, float("-inf"))
+
+
+@triton.jit
 def _attend(
     q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, new_k_ptr, new_v_ptr, length_ptr, done_ptr,
     S, per_slice, scale, heads_kv,
     q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h, nk_b, nk_h, nv_b, nv_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     MASK: tl.constexpr, SLICED: tl.constexpr, WRITE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
-    HIDDEN: tl.constexpr, EARLY_V: tl.constexpr,
+    HIDDEN: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
     slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
@@ -123,20 +136,15 @@ def _attend(
     l_i = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
     best = tl.full((ROWS,), float("-inf"), tl.float32)  # each head's largest mask value so far
+    next_bias = _bias(m_ptr, b, heads, g_ok, start, end, m_b, m_h, m_s, MASK, BLOCK_S)
     first = start
     while first < end:
         s = first + tl.arange(0, BLOCK_S)
         first += BLOCK_S
         s_ok = s < end
-        bias = tl.zeros((ROWS, BLOCK_S), tl.float32)
-        if MASK == 1:
-            bias = tl.load(m_ptr + b * m_b + heads[:, None] * m_h + s[None, :] * m_s,
-                           mask=g_ok[:, None] & s_ok[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
-        elif MASK == 2:
-            seen = tl.load(m_ptr + b * m_b + heads[:, None] * m_h + s[None, :] * m_s, mask=g_ok[:, None] & s_ok[None, :], other=0)
-            bias = tl.where(seen != 0, 0.0, float("-inf"))
-        else:
-            bias = tl.where(g_ok[:, None] & s_ok[None, :], 0.0, float("-inf"))
+        bias = next_bias
+        if MASK != 0:  # the next block's mask in flight while this block is read
+            next_bias = _bias(m_ptr, b, heads, g_ok, first, end, m_b, m_h, m_s, MASK, BLOCK_S)
         top = tl.max(bias, axis=1)
         skip = tl.max(top, axis=0) == float("-inf")
         if MASK == 1:  # hidden by a large negative fill, where every head has seen a key it does not hide
@@ -145,8 +153,6 @@ def _attend(
         best = tl.maximum(best, top)
         if not skip:  # a block the mask hides from every head is not read
             k = tl.load(k_ptr + b * k_b + kvh * k_h + s[:, None] * k_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            if EARLY_V:  # the values' load in flight beside the keys'
-                v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
             if WRITE:  # the new row as written, whichever of the program's threads wrote it
                 k = tl.where((s_ok & (s == length))[:, None], new_k[None, :], k)
             scores = _product(q, tl.trans(k), EXACT)
@@ -156,8 +162,7 @@ def _attend(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not EARLY_V:
-                v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + b * v_b + kvh * v_h + s[:, None] * v_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
             if WRITE:
                 v = tl.where((s_ok & (s == length))[:, None], new_v[None, :], v)
             acc = acc * alpha[:, None] + _product(to_dtype(p, v.dtype), v, EXACT)
@@ -311,7 +316,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         *m_strides, out.stride(0), out.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
         MASK=kind, SLICED=sliced, WRITE=write is not None, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN,
-        EARLY_V=EARLY_V, num_warps=4, launch_pdl=pdl,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     if sliced:
         _combine_launch[(batch * heads,)](
