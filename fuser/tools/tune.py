@@ -41,6 +41,24 @@ def time_launches_us(launch, args, launches: int = 10, replays: int = 20, warmup
     return replay_time_us(graph, replays) / launches
 
 
+def time_rotating_launches_us(launch, arg_sets: list, launches: int = 10, replays: int = 20) -> float:
+    """Mean microseconds per launch: the argument sets launched in turn, back to back in one CUDA
+    graph (at least ``launches``, whole rounds), replayed — so that each launch reads its own
+    operands, not the L2-resident ones of the launch before (as a model's layers do)."""
+    stream = torch.cuda.Stream()
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for args in arg_sets:
+            launch(*args)  # compiles outside the capture
+    torch.cuda.synchronize()
+    rounds = -(-launches // len(arg_sets))
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
+        for _ in range(rounds):
+            for args in arg_sets:
+                launch(*args)
+    return replay_time_us(graph, replays) / (rounds * len(arg_sets))
+
+
 def token_rows(args, operands, T: int):
     """The first T token rows of each input that has them."""
     return [a[:T] if op.has_rows and not op.broadcast_rows else a for a, op in zip(args, operands)]

@@ -7,7 +7,10 @@ weight shape at decode token counts, on this GPU, and write the decode-GEMM tabl
 For each shape (``N x K``: a weight of N rows of K) and dtype, every configuration of
 :data:`CONFIGS` is checked against ``F.linear`` at the largest token count (a configuration that
 disagrees is not timed) and timed at each token count, as is ``F.linear``, each as back-to-back
-launches replayed from a CUDA graph (:func:`fuser.tools.tune.time_launches_us`). The entry keeps
+launches replayed from a CUDA graph (:func:`fuser.tools.tune.time_rotating_launches_us`), the
+launches taking turns over copies of the weight that together exceed twice the GPU's L2 cache:
+each launch reads its weight from memory, as each layer of a decode step does (one weight
+launched again and again would be read from L2 where it fits, 50 MB on an H100). The entry keeps
 the fastest configuration at one token (``config``) and, where another, the fastest over the
 larger counts (``config_rows``), both times per token count, and ``up_to``: the largest token
 count up to which the kernel was the faster at every count (0: never). The table
@@ -53,23 +56,33 @@ def up_to(torch_us: dict[int, float], fuser_us: dict[int, float]) -> int:
     return best
 
 
+def cold_copies(weight: torch.Tensor, cache: int | None = None) -> list[torch.Tensor]:
+    """``weight`` and as many copies as take the set past twice ``cache`` bytes (default: the
+    GPU's L2 cache; none on the CPU)."""
+    if cache is None:
+        cache = torch.cuda.get_device_properties(weight.device).L2_cache_size if weight.device.type == "cuda" else 0
+    size = weight.numel() * weight.element_size()
+    return [weight] + [weight.clone() for _ in range(-(-2 * cache // size))]
+
+
 def measure(n: int, k: int, dtype: torch.dtype, tokens=DECODE_TOKENS, device="cuda", timer: Callable | None = None,
             configs=CONFIGS) -> dict:  # fmt: skip
-    """The entry of one weight shape and dtype."""
+    """The entry of one weight shape and dtype. ``timer(launch, arg_sets)``: microseconds a launch."""
     if timer is None:
-        from fuser.tools.tune import time_launches_us as timer
+        from fuser.tools.tune import time_rotating_launches_us as timer
     g = torch.Generator(device).manual_seed(n + k)
     weight = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
+    weights = cold_copies(weight)
     x = torch.randn(max(tokens), k, device=device, generator=g).to(dtype)
     expected = F.linear(x, weight).float()
-    torch_us = {t: timer(F.linear, (x[:t], weight)) for t in tokens}
+    torch_us = {t: timer(F.linear, [(x[:t], w) for w in weights]) for t in tokens}
     timed, wrong = [], []
     for config in configs:
         got = decode_gemm.linear(x, weight, config).float()
         if (got - expected).abs().max() > AGREEMENT[dtype] * expected.abs().max().clamp_min(1e-6):
             wrong.append(config)
             continue
-        timed.append((config, {t: timer(decode_gemm.linear, (x[:t], weight, config)) for t in tokens}))
+        timed.append((config, {t: timer(decode_gemm.linear, [(x[:t], w, config) for w in weights]) for t in tokens}))
     if not timed:
         raise RuntimeError(f"decode GEMM {n}x{k} {dtype}: no configuration agrees with F.linear ({len(wrong)} tried)")
     # the launch at one row (a batch of one: the decode step that matters most) and at more, each its fastest

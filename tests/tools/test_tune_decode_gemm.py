@@ -17,11 +17,11 @@ def test_up_to_is_the_last_count_of_an_unbroken_lead():
     assert gemm.up_to({1: 5.0, 2: 5.0}, {1: 1.0, 2: 1.0}) == 2
 
 
-def fake_timer(fn, args):
+def fake_timer(fn, arg_sets):
     """PyTorch 10 µs; the kernel 2 µs a token at block_n 32, 20 µs otherwise."""
     if fn is torch.nn.functional.linear:
         return 10.0
-    x, _, config = args
+    x, _, config = arg_sets[0]
     return (2.0 if config.block_n == 32 else 20.0) * x.shape[0]
 
 
@@ -39,10 +39,10 @@ def test_the_fastest_agreeing_config_is_kept_and_the_table_is_read_back(tmp_path
 
 
 def test_the_fastest_at_one_token_and_the_fastest_at_more_are_kept_each(tmp_path, monkeypatch):
-    def timer(fn, args):  # block_n 4 the fastest at one token, 16 at more
+    def timer(fn, arg_sets):  # block_n 4 the fastest at one token, 16 at more
         if fn is torch.nn.functional.linear:
             return 10.0
-        x, _, config = args
+        x, _, config = arg_sets[0]
         return {4: 1.0, 16: 3.0}[config.block_n] if x.shape[0] == 1 else {4: 30.0, 16: 5.0}[config.block_n]
 
     configs = (Config(4, 64, 4, 16), Config(16, 32, 8, 16))
@@ -59,6 +59,18 @@ def test_a_config_that_disagrees_is_not_timed(monkeypatch):
     configs = (Config(16, 32, 2, 16), Config(32, 32, 2, 16))
     entry = gemm.measure(40, 96, torch.float32, tokens=(1, 2), device="cpu", timer=fake_timer, configs=configs)
     assert entry["config"]["block_n"] == 16 and entry["disagreed"] == 1 and entry["up_to"] == 0
+
+
+def test_the_weight_is_timed_over_copies_past_twice_the_l2_cache():
+    weight = torch.randn(40, 96)  # 15360 bytes
+    copies = gemm.cold_copies(weight, cache=50_000)
+    assert len(copies) == 8 and sum(w.numel() * w.element_size() for w in copies) > 2 * 50_000  # 1 + ceil(100000 / 15360)
+    assert copies[0] is weight and all(torch.equal(w, weight) and w.data_ptr() != weight.data_ptr() for w in copies[1:])
+    assert gemm.cold_copies(weight) == [weight]  # the CPU: no cache to flush
+    timed = []
+    gemm.measure(40, 96, torch.float32, tokens=(1,), device="cpu", configs=(Config(16, 32, 2, 16),),
+                 timer=lambda fn, arg_sets: timed.append(arg_sets) or 1.0)  # fmt: skip
+    assert [len(sets) for sets in timed] == [1, 1]  # PyTorch's and the kernel's, over the same weights
 
 
 def test_shapes_are_read_and_bad_ones_named():
