@@ -7,11 +7,13 @@ four, so that a weight of 2048 rows runs 512 programs and every SM streams sever
 the reduction in chunks of ``block_k`` (up to the whole of it; its width a constant of the kernel:
 one binary per weight shape): each chunk of the weight is read once. At one token row it is
 multiplied against the row and summed on the CUDA cores, accumulated in fp32 and rounded once,
-as cuBLAS does (no ``tl.dot``: no rows padded to 16). At more rows the rows and the columns are
-padded to 16 (the columns of a program at least 16) and each chunk is one ``tl.dot`` on the
-tensor cores, summed in fp32 (fp32 operands multiplied in fp32, not tf32), the chunk narrowed
-as the rows grow (``block_k`` ÷ rows). Where a
-residual is given the sum is added before that rounding (the residual add's epilogue:
+as cuBLAS does (no ``tl.dot``: no rows padded to 16). At a few rows (up to :data:`CORE_ROWS`,
+padded to a power of 2, the padding masked) so is each row in turn, against the chunk read once:
+a program keeps its few columns, so a weight of 2048 rows still runs 512 programs. At more rows
+the rows and the columns are padded to 16 (the columns of a program at least 16) and each chunk
+is one ``tl.dot`` on the tensor cores, summed in fp32 (fp32 operands multiplied in fp32, not
+tf32), the chunk narrowed as the rows grow (``block_k`` ÷ rows). Where a residual is given the
+sum is added before that rounding (the residual add's epilogue:
 :mod:`fuser.pipeline.residual_in_gemm`). :func:`gated` runs a gate/up pair's GEMM and stores
 ``act(gate) * up`` alone, each program holding the same columns of both halves
 (:mod:`fuser.pipeline.gated_in_gemm`).
@@ -58,6 +60,12 @@ TABLE_ENV = "FUSER_DECODE_GEMM_TABLE"
 TABLE_SUFFIX = "-decode_gemm.json"
 #: The most token rows the kernel takes (a decode step's; past a few rows it loses to cuBLAS anyway).
 MAX_ROWS = 16
+#: The most token rows summed on the CUDA cores (a row at a time, as one row is); more take
+#: ``tl.dot``, padded to 16 rows (a constexpr: the kernel reads it). On an H100 (bf16, the table's
+#: configurations, µs) 2 rows so ran faster than ``tl.dot`` at every shape timed (2048x8192 11.0
+#: against 12.3, 3072x2048 5.13 against 6.89, 4096x4096 9.65 against 11.8, 6144x4096 20.0 against
+#: 23.9, 16384x2048 24.6 against 27.1); 3 and 4 rows slower at four of the five.
+CORE_ROWS = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,9 @@ def _normed(x, nw_ptr, ks, K: tl.constexpr, rstd, NORM: tl.constexpr, EVEN_K: tl
 @triton.jit
 def _dot_chunk(acc, x, w_ptr, cols, col_ok, ks, K: tl.constexpr, stride_wn,
                BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """``acc`` plus one chunk of the reduction: weight rows ``cols`` against the rows' chunk ``x``."""
+    """``acc`` plus one chunk of the reduction: weight rows ``cols`` against the rows' chunk ``x``;
+    up to :data:`CORE_ROWS` rows on the CUDA cores, each row's products summed in fp32 as at one
+    row, more by ``tl.dot``."""
     w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
     if EVEN_N and EVEN_K:
         w = tl.load(w_at)
@@ -117,6 +127,14 @@ def _dot_chunk(acc, x, w_ptr, cols, col_ok, ks, K: tl.constexpr, stride_wn,
         w = tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
     if BLOCK_M == 1:
         return acc + tl.expand_dims(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1), 0)
+    if BLOCK_M <= CORE_ROWS:
+        # each row taken out of the chunk's rows (a sum with zeros: exact) and summed as one row is;
+        # on an H100 a [rows, cols, chunk] product of the chunk narrowed by the rows ran 2-3x slower
+        wf, xf, rows = w.to(tl.float32), x.to(tl.float32), tl.arange(0, BLOCK_M)[:, None]
+        for m in tl.static_range(BLOCK_M):
+            row = tl.sum(tl.where(rows == m, xf, 0.0), axis=0)
+            acc = tl.where(rows == m, acc + tl.expand_dims(tl.sum(wf * row[None, :], axis=1), 0), acc)
+        return acc
     if EXACT:  # fp32 operands (and bf16 in the interpreter): the products in fp32, not tf32
         return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     return acc + tl.dot(x, tl.trans(w))
@@ -185,8 +203,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, config: Config | None) -> bool:
 
 
 def chunk(block_k: int, block_m: int, k: int) -> int:
-    """The reduction's chunk at ``block_m`` rows: ``block_k`` at one row, narrowed as the rows grow
-    (as many products a step), never wider than the reduction."""
+    """The reduction's chunk of a ``tl.dot`` on ``block_m`` rows: ``block_k`` at one row, narrowed as
+    the rows grow (as many products a step), never wider than the reduction."""
     return max(16, min(block_k // block_m, triton.next_power_of_2(k)))
 
 
@@ -247,9 +265,12 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0, norm: 
     added = _rows(norm.added, k) if adds else flat
     h = torch.empty_like(flat) if adds else flat
     block_n, block_k, warps = config.at(rows)
-    block_k = chunk(block_k, triton.next_power_of_2(rows), k)
-    # one row: summed on the CUDA cores; more: one tl.dot a chunk, rows and columns padded to 16
-    block_m, block_n = (1, block_n) if rows == 1 else (max(16, triton.next_power_of_2(rows)), max(16, block_n))
+    block_m = triton.next_power_of_2(rows)
+    if rows <= CORE_ROWS:  # summed on the CUDA cores a row at a time: the chunk and the columns as at one row
+        block_k = chunk(block_k, 1, k)
+    else:  # one tl.dot a chunk: the chunk narrowed by the rows, the rows and columns padded to 16
+        block_k = chunk(block_k, block_m, k)
+        block_m, block_n = max(16, block_m), max(16, block_n)
     pdl = config.pdl and rows <= PDL_ROWS
     _launch[(triton.cdiv(n, block_n),)](
         flat, weight, r, out, added, norm.weight if norm is not None else flat, h, rows, n, flat.stride(0), weight.stride(0), r.stride(0),

@@ -14,6 +14,8 @@ from fuser.install.decode_gemm import Config, DecodeGemmTableError, chunk, confi
 # atol, rtol: fp32 accumulation in another order, then one rounding to the dtype
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}
 SHAPES = [(37, 100), (64, 256), (130, 33), (96, 512)]  # (out features, in features)
+# token rows: one; on the CUDA cores (2, CORE_ROWS); by tl.dot (3 padded to 16, and 16)
+ROWS = [1, 2, 3, 16]
 
 
 def reference(x, w, residual=None):
@@ -23,7 +25,7 @@ def reference(x, w, residual=None):
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_the_kernel_is_the_linear_layer(dtype, n, k, rows, residual):
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
@@ -49,10 +51,14 @@ def rmsnorm(x, weight, eps, form):
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
+# every form at one row; 2 rows (the CUDA cores') and 3 (tl.dot's) each with one form: the
+# interpreter is too slow for every form at each
+NORM_ROWS = [(1, form) for form in decode_gemm.NORMS] + [(2, "weight_after_cast"), (3, "one_plus_weight")]
+
+
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n,k", [(37, 100), (96, 512)])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("form", list(decode_gemm.NORMS))
+@pytest.mark.parametrize("rows,form", NORM_ROWS)
 @pytest.mark.parametrize("added", [False, True], ids=["norm", "add+norm"])
 def test_the_kernel_with_the_norm_s_prologue_is_the_norm_then_the_linear_layer(dtype, n, k, rows, form, added):
     g = torch.Generator().manual_seed(n + k + rows)
@@ -92,6 +98,20 @@ def test_the_launch_at_more_rows_is_the_table_s_config_rows_where_it_has_one(mon
     said = [(grid[0], k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], k["num_warps"]) for grid, k in launches]
     # one row: the config's; more: its own or config_rows, the rows and columns padded to 16 and the chunk narrowed by 4 rows
     assert said == [(16, 1, 4, 32, 2), (4, 16, 16, 16, 2), (16, 1, 4, 32, 2), (2, 16, 32, 16, 8)]
+
+
+def test_a_few_rows_keep_the_table_s_columns_and_more_take_tl_dot(monkeypatch):
+    launches = []
+    monkeypatch.setattr(decode_gemm, "_launch", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launches.append((grid, k))})())
+    w = torch.randn(64, 256)
+    for rows in (2, 3, 16):
+        linear(torch.randn(rows, 256), w, Config(8, 256, 2, 16, rows=(4, 512, 4)))
+    said = [(grid[0], k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"]) for grid, k in launches]
+    # up to CORE_ROWS (2): config_rows' 4 columns a program and its whole chunk; past it tl.dot's:
+    # the rows and columns padded to 16, the chunk narrowed by the rows (3 as 4)
+    assert decode_gemm.CORE_ROWS == 2
+    assert said == [(16, 2, 4, 256), (4, 16, 16, 128), (4, 16, 16, 32)]
+    assert {k["num_warps"] for grid, k in launches} == {4}
 
 
 def test_pdl_is_asked_for_at_one_row_only(monkeypatch):
@@ -174,7 +194,7 @@ GPU_SHAPES = [(3072, 2048), (2048, 8192), (4096, 4096), (1000, 1000)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_compiled_kernel_is_the_linear_layer(dtype, n, k, rows):
     g = torch.Generator("cuda").manual_seed(n + k + rows)
     x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
@@ -191,8 +211,8 @@ def test_compiled_kernel_is_the_linear_layer(dtype, n, k, rows):
 # 0.4 % in bf16) moves the activation by up to about four times that where SiLU's slope is steep
 # against its value (gates near -4), before the activation's and the product's own roundings.
 # In fp32 the product of two sums of 2048 terms of about 3 each, each sum summed in its own order
-# (at more rows each chunk's 128 products in sequence, by tl.dot): about 1e-5 of each half, times
-# the other half (about 3).
+# (past CORE_ROWS rows each chunk's 128 products in sequence, by tl.dot): about 1e-5 of each half,
+# times the other half (about 3).
 GATED_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 1e-2), torch.bfloat16: (3e-2, 4e-2)}
 
 
@@ -206,7 +226,7 @@ def gated_reference(x, w, activation):
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n,k", [(74, 100), (128, 256), (260, 33)])  # n: both halves
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_the_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, rows, activation):
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
@@ -227,7 +247,7 @@ def test_a_gated_weight_of_odd_rows_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n,k", [(16384, 2048), (2 * 1000, 1000)])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_compiled_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, rows, activation):
     g = torch.Generator("cuda").manual_seed(n + k + rows)
@@ -242,7 +262,7 @@ def test_compiled_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, r
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n,k", [(3072, 2048), (6144, 4096)])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize("added", [False, True], ids=["norm", "add+norm"])
 def test_compiled_kernel_with_the_norm_s_prologue(dtype, n, k, rows, added):
     g = torch.Generator("cuda").manual_seed(n + rows)
