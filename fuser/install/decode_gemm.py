@@ -77,11 +77,12 @@ class Config:
     warps: int
     up_to: int
     pdl: bool = False  # launched with programmatic dependent launch at one row (not in the table: the pass's)
-    rows: tuple[int, int, int] | None = None  # (block_n, block_k, warps) at more than one row, where they differ
+    rows: tuple[int, int, int] | None = None  # (block_n, block_k, warps) past CORE_ROWS rows (tl.dot's), where they differ
 
     def at(self, rows: int) -> tuple[int, int, int]:
-        """(block_n, block_k, warps) of a launch on ``rows`` token rows."""
-        return self.rows if rows > 1 and self.rows is not None else (self.block_n, self.block_k, self.warps)
+        """(block_n, block_k, warps) of a launch on ``rows`` token rows: the one row's up to
+        :data:`CORE_ROWS` (summed the same way), ``rows`` past it."""
+        return self.rows if rows > CORE_ROWS and self.rows is not None else (self.block_n, self.block_k, self.warps)
 
 
 #: The activations the kernel applies to a gated pair's first half (``GATE``): 0 none.
@@ -266,7 +267,7 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0, norm: 
     h = torch.empty_like(flat) if adds else flat
     block_n, block_k, warps = config.at(rows)
     block_m = triton.next_power_of_2(rows)
-    if rows <= CORE_ROWS:  # summed on the CUDA cores a row at a time: the chunk and the columns as at one row
+    if rows <= CORE_ROWS:  # summed on the CUDA cores a row at a time: the launch as at one row
         block_k = chunk(block_k, 1, k)
     else:  # one tl.dot a chunk: the chunk narrowed by the rows, the rows and columns padded to 16
         block_k = chunk(block_k, block_m, k)

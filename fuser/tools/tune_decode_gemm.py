@@ -11,8 +11,8 @@ launches replayed from a CUDA graph (:func:`fuser.tools.tune.time_rotating_launc
 launches taking turns over copies of the weight that together exceed twice the GPU's L2 cache:
 each launch reads its weight from memory, as each layer of a decode step does (one weight
 launched again and again would be read from L2 where it fits, 50 MB on an H100). The entry keeps
-the fastest configuration at one token (``config``) and, where another, the fastest over the
-larger counts (``config_rows``), both times per token count, and ``up_to``: the largest token
+the fastest configuration up to ``CORE_ROWS`` tokens, which run as one does (``config``), and,
+where another, the fastest over the larger counts, which run on ``tl.dot`` (``config_rows``), both times per token count, and ``up_to``: the largest token
 count up to which the kernel was the faster at every count (0: never). The table
 (``<GPU>-decode_gemm.json``) is merged into ``DIR`` (default: fuser's
 ``fuser/codegen/launch_configs/``): an entry of the same shape and dtype is replaced.
@@ -85,9 +85,10 @@ def measure(n: int, k: int, dtype: torch.dtype, tokens=DECODE_TOKENS, device="cu
         timed.append((config, {t: timer(decode_gemm.linear, [(x[:t], w, config) for w in weights]) for t in tokens}))
     if not timed:
         raise RuntimeError(f"decode GEMM {n}x{k} {dtype}: no configuration agrees with F.linear ({len(wrong)} tried)")
-    # the launch at one row (a batch of one: the decode step that matters most) and at more, each its fastest
-    one = [t for t in tokens if t == 1] or list(tokens)
-    more = [t for t in tokens if t > 1] or list(tokens)
+    # the launch up to CORE_ROWS rows (a batch of one, the decode step that matters most, summed
+    # on the CUDA cores as two rows are) and past them (tl.dot's), each its fastest
+    one = [t for t in tokens if t <= decode_gemm.CORE_ROWS] or list(tokens)
+    more = [t for t in tokens if t > decode_gemm.CORE_ROWS] or list(tokens)
     best, best_us = min(timed, key=lambda c: sum(c[1][t] for t in one))
     rows, rows_us = min(timed, key=lambda c: sum(c[1][t] for t in more))
     fuser_us = {t: (best_us if t in one else rows_us)[t] for t in tokens}

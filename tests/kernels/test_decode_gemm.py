@@ -107,11 +107,11 @@ def test_a_few_rows_keep_the_table_s_columns_and_more_take_tl_dot(monkeypatch):
     for rows in (2, 3, 16):
         linear(torch.randn(rows, 256), w, Config(8, 256, 2, 16, rows=(4, 512, 4)))
     said = [(grid[0], k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"]) for grid, k in launches]
-    # up to CORE_ROWS (2): config_rows' 4 columns a program and its whole chunk; past it tl.dot's:
-    # the rows and columns padded to 16, the chunk narrowed by the rows (3 as 4)
+    # up to CORE_ROWS (2): the one row's launch, 8 columns a program and the whole chunk; past it
+    # config_rows' by tl.dot: the rows and columns padded to 16, the chunk narrowed by the rows (3 as 4)
     assert decode_gemm.CORE_ROWS == 2
-    assert said == [(16, 2, 4, 256), (4, 16, 16, 128), (4, 16, 16, 32)]
-    assert {k["num_warps"] for grid, k in launches} == {4}
+    assert said == [(8, 2, 8, 256), (4, 16, 16, 128), (4, 16, 16, 32)]
+    assert [k["num_warps"] for grid, k in launches] == [2, 4, 4]
 
 
 def test_pdl_is_asked_for_at_one_row_only(monkeypatch):
