@@ -140,11 +140,13 @@ def _attend(
     first = start
     while first < end:
         s = first + tl.arange(0, BLOCK_S)
-        first += BLOCK_S
         s_ok = s < end
-        bias = next_bias
-        if MASK != 0:  # the next block's mask in flight while this block is read
-            next_bias = _bias(m_ptr, b, heads, g_ok, first, end, m_b, m_h, m_s, MASK, BLOCK_S)
+        if MASK == 0:  # no mask: the keys past the slice hidden
+            bias = _bias(m_ptr, b, heads, g_ok, first, end, m_b, m_h, m_s, MASK, BLOCK_S)
+        else:  # the next block's mask in flight while this block is read
+            bias = next_bias
+            next_bias = _bias(m_ptr, b, heads, g_ok, first + BLOCK_S, end, m_b, m_h, m_s, MASK, BLOCK_S)
+        first += BLOCK_S
         top = tl.max(bias, axis=1)
         skip = tl.max(top, axis=0) == float("-inf")
         if MASK == 1:  # hidden by a large negative fill, where every head has seen a key it does not hide

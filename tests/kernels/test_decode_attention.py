@@ -82,6 +82,21 @@ def test_the_slices_give_about_one_program_an_sm_each_of_whole_blocks():
     assert slices(1, 1, 10) == 1
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "boolean"])
+def test_a_slice_of_several_blocks_and_a_part_is_sdpa(monkeypatch, mask_kind):
+    # Two programs over 200 keys: slices of 128 and 72, each two blocks, the last a part (its
+    # keys past the slice hidden, whatever the mask of the block before said).
+    monkeypatch.setattr(decode_attention, "PROGRAMS", 2)
+    dtype = torch.float32
+    q, k, v = inputs(1, 4, 1, 200, 32, dtype, seed=7)
+    assert slices(1, 1, 200) == 2
+    g = torch.Generator().manual_seed(2)
+    mask = {"none": None, "additive": static_cache_mask(1, 200, [190], dtype),
+            "boolean": torch.rand(1, 1, 1, 200, generator=g) > 0.3}[mask_kind]  # fmt: skip
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(attention(q, k, v, mask, enable_gqa=True), reference(q, k, v, mask), atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("fill", [float("-inf"), -65504.0, "finfo.min"])
 def test_blocks_the_mask_hides_are_not_read(monkeypatch, fill):
     # A static cache of 1000 rows, 70 and 130 written: rows past them hold NaN. Read, they would
