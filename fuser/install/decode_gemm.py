@@ -7,9 +7,9 @@ four, so that a weight of 2048 rows runs 512 programs and every SM streams sever
 the reduction in chunks of ``block_k`` (up to the whole of it; its width a constant of the kernel:
 one binary per weight shape): each chunk of the weight is read once. At one token row it is
 multiplied against the row and summed on the CUDA cores, accumulated in fp32 and rounded once,
-as cuBLAS does (no ``tl.dot``: no rows padded to 16). At a few rows (up to :data:`CORE_ROWS`,
-padded to a power of 2, the padding masked) so is each row in turn, against the chunk read once:
-a program keeps its few columns, so a weight of 2048 rows still runs 512 programs. At more rows
+as cuBLAS does (no ``tl.dot``: no rows padded to 16). At two rows (:data:`CORE_ROWS`) so is
+each row in turn, against the chunk read once, with the one row's launch: a program keeps its
+few columns, so a weight of 2048 rows still runs 512 programs. At more rows
 the rows and the columns are padded to 16 (the columns of a program at least 16) and each chunk
 is one ``tl.dot`` on the tensor cores, summed in fp32 (fp32 operands multiplied in fp32, not
 tf32), the chunk narrowed as the rows grow (``block_k`` ÷ rows). Where a residual is given the
@@ -31,10 +31,9 @@ The table (``<GPU>-decode_gemm.json``, written by ``fuser tune --decode-gemm``,
 on any device) has one entry per weight shape and dtype: the best of the configurations timed,
 its time and PyTorch's at each decode token count (each replayed in a CUDA graph), and
 ``up_to``, the largest token count up to which the kernel was the faster at every count (the
-configuration at one row the fastest there, ``config_rows`` the fastest over the larger counts
-where another). A
-linear layer whose shape has no entry, or a call with more rows than ``up_to``, runs
-``F.linear``: the default is PyTorch's.
+configuration up to :data:`CORE_ROWS` rows the fastest there, ``config_rows`` the fastest over
+the larger counts where another). A linear layer whose shape has no entry, or a call with more
+rows than ``up_to``, runs ``F.linear``: the default is PyTorch's.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ launches taking turns over copies of the weight that together exceed twice the G
 each launch reads its weight from memory, as each layer of a decode step does (one weight
 launched again and again would be read from L2 where it fits, 50 MB on an H100). The entry keeps
 the fastest configuration up to ``CORE_ROWS`` tokens, which run as one does (``config``), and,
-where another, the fastest over the larger counts, which run on ``tl.dot`` (``config_rows``), both times per token count, and ``up_to``: the largest token
-count up to which the kernel was the faster at every count (0: never). The table
-(``<GPU>-decode_gemm.json``) is merged into ``DIR`` (default: fuser's
-``fuser/codegen/launch_configs/``): an entry of the same shape and dtype is replaced.
+where another, the fastest over the larger counts, which run on ``tl.dot`` (``config_rows``),
+both times per token count, and ``up_to``: the largest token count up to which the kernel was
+the faster at every count (0: never). The table (``<GPU>-decode_gemm.json``) is merged into
+``DIR`` (default: fuser's ``fuser/codegen/launch_configs/``): an entry of the same shape and
+dtype is replaced.
 """
 
 from __future__ import annotations
