@@ -29,26 +29,19 @@ WARPS = (1, 2, 4, 8, 16)
 
 def time_launches_us(launch, args, launches: int = 10, replays: int = 20, warmups: int = 1) -> float:
     """Mean microseconds per launch: ``launches`` back to back in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    with torch.no_grad(), torch.cuda.stream(stream):
-        for _ in range(warmups):
-            launch(*args)  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
-        for _ in range(launches):
-            launch(*args)
-    return replay_time_us(graph, replays) / launches
+    return time_rotating_launches_us(launch, [args], launches, replays, warmups)
 
 
-def time_rotating_launches_us(launch, arg_sets: list, launches: int = 10, replays: int = 20) -> float:
+def time_rotating_launches_us(launch, arg_sets: list, launches: int = 10, replays: int = 20,
+                              warmups: int = 1) -> float:  # fmt: skip
     """Mean microseconds per launch: the argument sets launched in turn, back to back in one CUDA
     graph (at least ``launches``, whole rounds), replayed — so that each launch reads its own
     operands, not the L2-resident ones of the launch before (as a model's layers do)."""
     stream = torch.cuda.Stream()
     with torch.no_grad(), torch.cuda.stream(stream):
-        for args in arg_sets:
-            launch(*args)  # compiles outside the capture
+        for _ in range(warmups):
+            for args in arg_sets:
+                launch(*args)  # compiles outside the capture
     torch.cuda.synchronize()
     rounds = -(-launches // len(arg_sets))
     graph = torch.cuda.CUDAGraph()
