@@ -6,7 +6,8 @@ run, and a second kernel combines the slices. Too few slices leave the memory id
 caches; too many pay for the combining. This probe chains 16 attention calls (one a layer, each
 query the output of the one before, each its own cache, as a decode step does), captures the
 chain in a CUDA graph with PDL and times a replay, with the slices forced to 1 to 256 (at one
-sequence) and as the kernel chooses them for targets of 132 to 1056 programs (``auto@N``), beside
+sequence) and as the kernel chooses them for targets of 132 to 1056 programs (``auto@N``: its
+``PROGRAMS`` set to N, which 128-wide heads halve), beside
 PyTorch's ``F.scaled_dot_product_attention`` (``sdpa``), for Llama-3.2-1B's heads (32 query, 8
 key, 64 wide) and Qwen3-8B's (32, 8, 128) at several cache lengths and sequence counts. With
 ``--masked`` each call gets transformers' static-cache mask instead (its last 96 slots hidden).

@@ -59,10 +59,13 @@ MAX_GROUP = 64
 #: the faster (Llama-3.2-1B's step 1356 µs on cuDNN's, 1413 on the kernel; at batch 1 1114 and
 #: 1080), and at 528 programs flash's still is but at 1024 keys (benchmarks/results/README.md).
 MAX_BATCH = 1
-#: Programs a call aims at (four an SM of an H100 or H200): the keys are sliced until there are as
-#: many. At long caches a program an SM left the memory idle: Llama-3.2-1B's heads at 16384 keys
-#: took 36.7 µs a call at 132 programs, 18.3 at 528 (an H100; benchmarks/results/README.md, "The
-#: attention kernel's slices").
+#: Programs a call aims at where heads are 64 wide or less (four an SM of an H100 or H200): the keys
+#: are sliced until there are as many. At long caches a program an SM left the memory idle:
+#: Llama-3.2-1B's heads at 16384 keys took 36.7 µs a call at 132 programs, 18.3 at 528 (an H100;
+#: benchmarks/results/README.md, "The attention kernel's slices"). Wider heads aim at as many
+#: fewer: a program of 128-wide heads holds twice the registers, so half as many run at once, and
+#: a second wave of slices cost more than it read (Qwen3-8B's heads at 4096 keys 12.2 µs at 264
+#: programs, 14.7 at 528; "The slices by head width").
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16
@@ -277,11 +280,12 @@ def takes_write(k, v, new_k, new_v, length, done) -> bool:
     return length.numel() == 1 and not length.is_floating_point() and done.numel() == 1 and done.dtype == torch.int32
 
 
-def slices(batch: int, heads_kv: int, keys: int) -> int:
-    """Slices of the keys: as many as give about :data:`PROGRAMS` programs, each a multiple of
-    :data:`BLOCK_S` keys."""
+def slices(batch: int, heads_kv: int, keys: int, dim: int) -> int:
+    """Slices of the keys: as many as give about :data:`PROGRAMS` programs (fewer in proportion
+    for heads wider than 64), each a multiple of :data:`BLOCK_S` keys."""
     blocks = triton.cdiv(keys, BLOCK_S)
-    return max(1, min(blocks, PROGRAMS // max(batch * heads_kv, 1)))
+    programs = PROGRAMS * 64 // max(dim, 64)
+    return max(1, min(blocks, programs // max(batch * heads_kv, 1)))
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, pdl=False, write=None):
@@ -303,7 +307,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     mask = attn_mask.expand(batch, heads, 1, keys) if kind != NO_MASK else q
     m_strides = (mask.stride(0), mask.stride(1), mask.stride(3)) if kind != NO_MASK else (0, 0, 0)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    pieces = slices(batch, heads_kv, keys)
+    pieces = slices(batch, heads_kv, keys, dim)
     per_slice = triton.cdiv(triton.cdiv(keys, pieces), BLOCK_S) * BLOCK_S
     pieces = triton.cdiv(keys, per_slice)
     block_d = max(16, triton.next_power_of_2(dim))  # (tl.dot's smallest)

@@ -74,12 +74,19 @@ def test_a_scale_and_a_mask_of_fewer_dims_are_sdpa_s(dtype):
     torch.testing.assert_close(got, reference(q, k, v, mask, scale=0.3), atol=atol, rtol=rtol)
 
 
-def test_the_slices_give_about_one_program_an_sm_each_of_whole_blocks():
-    assert slices(1, 8, 256) == 4  # 4 blocks of 64 keys: a slice each
-    assert slices(1, 8, 4096) == 64  # 64 blocks: one each (528 // 8 is 66)
-    assert slices(1, 8, 16384) == 66  # 528 // 8
-    assert slices(64, 8, 4096) == 1  # 512 programs already
-    assert slices(1, 1, 10) == 1
+def test_the_slices_give_about_four_programs_an_sm_each_of_whole_blocks():
+    assert slices(1, 8, 256, 64) == 4  # 4 blocks of 64 keys: a slice each
+    assert slices(1, 8, 4096, 64) == 64  # 64 blocks: one each (528 // 8 is 66)
+    assert slices(1, 8, 16384, 64) == 66  # 528 // 8
+    assert slices(64, 8, 4096, 64) == 1  # 512 programs already
+    assert slices(1, 1, 10, 64) == 1
+
+
+def test_wider_heads_aim_at_fewer_programs():
+    assert slices(1, 8, 16384, 32) == 66  # no more than at 64 wide
+    assert slices(1, 8, 16384, 128) == 33  # 264 // 8
+    assert slices(1, 8, 16384, 256) == 16  # 132 // 8
+    assert slices(1, 8, 256, 128) == 4  # the blocks, still
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "additive", "boolean"])
@@ -89,7 +96,7 @@ def test_a_slice_of_several_blocks_and_a_part_is_sdpa(monkeypatch, mask_kind):
     monkeypatch.setattr(decode_attention, "PROGRAMS", 2)
     dtype = torch.float32
     q, k, v = inputs(1, 4, 1, 200, 32, dtype, seed=7)
-    assert slices(1, 1, 200) == 2
+    assert slices(1, 1, 200, 32) == 2
     g = torch.Generator().manual_seed(2)
     mask = {"none": None, "additive": static_cache_mask(1, 200, [190], dtype),
             "boolean": torch.rand(1, 1, 1, 200, generator=g) > 0.3}[mask_kind]  # fmt: skip
