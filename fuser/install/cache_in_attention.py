@@ -50,4 +50,5 @@ def writer(pdl: bool):
     def attend_writing_the_cache(*args, **kwargs):
         return attend_writing(*args, **kwargs, pdl=pdl)
 
+    attend_writing_the_cache.decode_attention_pdl = pdl
     return attend_writing_the_cache

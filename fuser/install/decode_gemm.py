@@ -22,9 +22,12 @@ Launched with programmatic dependent launch (``Config.pdl``, set by the ``decode
 the ``pdl`` pass is on and the GPU has it) at one token row, as fuser's row programs are
 (:data:`fuser.codegen.emit.PDL_ROWS`): the GPU may launch it while the kernel before it still
 runs; its first instruction waits (``gdc_wait``) until that kernel has finished and its writes
-are visible, so only the launch overlaps, never a read (weights included: one updated in place
-just before is read after the update). It then lets the next kernel launch at once, which
-waits the same way.
+are visible. It then lets the next kernel launch at once, which waits the same way. With
+``Config.early`` (the ``early_weights`` pass's, :mod:`fuser.pipeline.early_weights`) each program
+reads its first chunk of the weight before that wait, so the weight's read overlaps the end of
+the kernel before. Only that kernel can still be running (any before it had finished before it
+passed its own wait), so the read is safe wherever that kernel writes no weight: the pass sets
+it where a kernel of the same forward comes just before the GEMM, and none writes a parameter.
 
 The table (``<GPU>-decode_gemm.json``, written by ``fuser tune --decode-gemm``,
 :mod:`fuser.tools.tune_decode_gemm`; ``$FUSER_DECODE_GEMM_TABLE`` names one file to read instead,
@@ -41,6 +44,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +80,7 @@ class Config:
     warps: int
     up_to: int
     pdl: bool = False  # launched with programmatic dependent launch at one row (not in the table: the pass's)
+    early: bool = False  # with PDL, the weight's first chunk read before the wait (not in the table: the pass's)
     rows: tuple[int, int, int] | None = None  # (block_n, block_k, warps) past CORE_ROWS rows (tl.dot's), where they differ
 
     def at(self, rows: int) -> tuple[int, int, int]:
@@ -115,16 +120,19 @@ def _normed(x, nw_ptr, ks, K: tl.constexpr, rstd, NORM: tl.constexpr, EVEN_K: tl
 
 
 @triton.jit
-def _dot_chunk(acc, x, w_ptr, cols, col_ok, ks, K: tl.constexpr, stride_wn,
-               BLOCK_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """``acc`` plus one chunk of the reduction: weight rows ``cols`` against the rows' chunk ``x``;
-    up to :data:`CORE_ROWS` rows on the CUDA cores, each row's products summed in fp32 as at one
-    row, more by ``tl.dot``."""
+def _weight_chunk(w_ptr, cols, col_ok, ks, K: tl.constexpr, stride_wn, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """Weight rows ``cols``, the reduction's chunk ``ks``."""
     w_at = w_ptr + cols[:, None] * stride_wn + ks[None, :]
     if EVEN_N and EVEN_K:
-        w = tl.load(w_at)
-    else:
-        w = tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        return tl.load(w_at)
+    return tl.load(w_at, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_chunk(acc, x, w, BLOCK_M: tl.constexpr, EXACT: tl.constexpr):
+    """``acc`` plus one chunk of the reduction: the weight's chunk ``w`` against the rows' chunk
+    ``x``; up to :data:`CORE_ROWS` rows on the CUDA cores, each row's products summed in fp32 as at
+    one row, more by ``tl.dot``."""
     if BLOCK_M == 1:
         return acc + tl.expand_dims(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1), 0)
     if BLOCK_M <= CORE_ROWS:
@@ -145,14 +153,17 @@ def _decode_gemm(
     x_ptr, w_ptr, r_ptr, y_ptr, a_ptr, nw_ptr, h_ptr, M, N, stride_xm, stride_wn, stride_rm, stride_ym, stride_am, stride_hm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACCUMULATE: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
-    EXACT: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+    EXACT: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
-        gdc_launch_dependents()  # the next kernel may launch now; it waits the same way
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < N, rows < M
+    if EARLY:  # the weight's first chunk read while the kernel before still runs (the module's docstring)
+        first = _weight_chunk(w_ptr, cols, col_ok, tl.arange(0, BLOCK_K), K, stride_wn, EVEN_N, EVEN_K)
+        first_up = _weight_chunk(w_ptr + N * stride_wn, cols, col_ok, tl.arange(0, BLOCK_K), K, stride_wn, EVEN_N, EVEN_K) if GATE else first
+    if PDL:
+        gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
+        gdc_launch_dependents()  # the next kernel may launch now; it waits the same way
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -166,14 +177,23 @@ def _decode_gemm(
                 ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (ks < K)[None, :]
                 tl.store(h_ptr + rows[:, None] * stride_hm + ks[None, :], x, mask=ok)
         rstd = tl.rsqrt(squares / K + eps)
-    for start in range(0, K, BLOCK_K):
+    if EARLY:
+        ks = tl.arange(0, BLOCK_K)
+        x = _row_chunk(x_ptr, a_ptr, rows, row_ok, ks, K, stride_xm, stride_am, EVEN_K, ADD)
+        if NORM:
+            x = _normed(x, nw_ptr, ks, K, rstd, NORM, EVEN_K)
+        acc = _dot_chunk(acc, x, first, BLOCK_M, EXACT)
+        if GATE:
+            up = _dot_chunk(up, x, first_up, BLOCK_M, EXACT)
+    for start in range(BLOCK_K if EARLY else 0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = _row_chunk(x_ptr, a_ptr, rows, row_ok, ks, K, stride_xm, stride_am, EVEN_K, ADD)
         if NORM:
             x = _normed(x, nw_ptr, ks, K, rstd, NORM, EVEN_K)
-        acc = _dot_chunk(acc, x, w_ptr, cols, col_ok, ks, K, stride_wn, BLOCK_M, EVEN_N, EVEN_K, EXACT)
+        acc = _dot_chunk(acc, x, _weight_chunk(w_ptr, cols, col_ok, ks, K, stride_wn, EVEN_N, EVEN_K), BLOCK_M, EXACT)
         if GATE:  # the pair's second half: weight rows N + cols
-            up = _dot_chunk(up, x, w_ptr + N * stride_wn, cols, col_ok, ks, K, stride_wn, BLOCK_M, EVEN_N, EVEN_K, EXACT)
+            w_up = _weight_chunk(w_ptr + N * stride_wn, cols, col_ok, ks, K, stride_wn, EVEN_N, EVEN_K)
+            up = _dot_chunk(up, x, w_up, BLOCK_M, EXACT)
     out = rows[:, None] * stride_ym + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     dtype = y_ptr.dtype.element_ty
@@ -277,7 +297,7 @@ def _run(x, weight, config: Config, n: int, residual=None, gate: int = 0, norm: 
         out.stride(0), added.stride(0), h.stride(0), norm.eps if norm is not None else 0.0,
         K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, ACCUMULATE=residual is not None, GATE=gate, PDL=pdl, EXACT=exact_products(x.dtype),
-        NORM=NORMS[norm.form] if norm is not None else 0, ADD=adds,
+        NORM=NORMS[norm.form] if norm is not None else 0, ADD=adds, EARLY=config.early,
         num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     out = out.view(*x.shape[:-1], n)
@@ -344,9 +364,17 @@ def launcher(config: Config):
         return linear(x, weight, config, residual)
 
     decode_linear.decode_gemm_config = config
+    decode_linear.decode_gemm_launch = (config, launcher)
     return decode_linear
 
 
 def config_of(target) -> Config | None:
     """The configuration of a fused graph's call target made by :func:`launcher`; None for any other."""
     return getattr(target, "decode_gemm_config", None)
+
+
+def launch_of(target) -> tuple[Config, Callable[[Config], Callable]] | None:
+    """For a fused graph's call target that runs the kernel (plain, adding the residual, gated, or
+    with the norm's prologue): its configuration, and how to make the same call under another;
+    None for any other target."""
+    return getattr(target, "decode_gemm_launch", None)

@@ -69,6 +69,8 @@ class Report:
     decode_attention: list[str] = field(default_factory=list)  # attention calls on fuser's decode attention kernel
     norm_in_gemm: list[str] = field(default_factory=list)  # RMSNorms the decode GEMM kernel computes as its prologue
     norms_apart: dict[str, str] = field(default_factory=dict)  # RMSNorms read by a GEMM on the kernel left apart -> why
+    early_weights: list[str] = field(default_factory=list)  # decode GEMMs reading their weight before the PDL wait
+    early_waiting: dict[str, str] = field(default_factory=dict)  # decode GEMMs with PDL reading it after the wait -> why
     automatic_leaves: list[dict] = field(default_factory=list)  # submodules kept opaque: name, where, reason
     attention_calls: list[str] = field(default_factory=list)  # sdpa calls whose arguments were rewritten, and how
     shared: list[str] = field(default_factory=list)  # kernels of the call's inputs alone, once per model forward
@@ -166,6 +168,12 @@ class Report:
         if self.norms_apart:
             lines += ["", "RMSNorms read by a GEMM on the decode GEMM kernel left apart from it:"]
             lines += [f"  {what}: {why}" for what, why in self.norms_apart.items()]
+        if self.early_weights:
+            lines += ["", "decode GEMMs reading their weight's first chunk while the kernel before them ends (PDL; that kernel "
+                          "the same forward's): " + ", ".join(self.early_weights)]
+        if self.early_waiting:
+            lines += ["", "decode GEMMs waiting for the kernel before them to end before reading their weight:"]
+            lines += [f"  {what}: {why}" for what, why in self.early_waiting.items()]
         if self.decode_attention:
             lines += ["", "attention calls on fuser's decode attention kernel at one query row (PyTorch's at any other call): "
                           + ", ".join(self.decode_attention)]

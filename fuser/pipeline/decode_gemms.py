@@ -34,6 +34,7 @@ def accumulate_with(config: Config):
             return decode_gemm.linear(x, weight, config, residual)
         return residual_in_gemm.accumulate(residual, x, weight)
 
+    accumulate_by_kernel.decode_gemm_launch = (config, accumulate_with)
     return accumulate_by_kernel
 
 

@@ -123,6 +123,7 @@ def plan(
     report.gated_in_gemm, report.gated_apart = list(f.gated_in_gemm), dict(f.gated_apart)
     report.decode_attention = list(f.decode_attention)
     report.norm_in_gemm, report.norms_apart = list(f.norm_in_gemm), dict(f.norms_apart)
+    report.early_weights, report.early_waiting = list(f.early_weights), dict(f.early_waiting)
     p = Plan(traced, kernels, f.graph, f.forward, Guard.from_trace(module, traced, guard, f.free, f.near_literals), report)
     p.constants = {**traced.constants, **{attr: value for attr, value in constants.values()}}
     p.precomputed = precomputation(traced.graph, {n: a for n, (a, _) in constants.items()}) if constants else None

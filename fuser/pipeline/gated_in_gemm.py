@@ -209,6 +209,7 @@ def gated_linear(config: decode_gemm.Config, activation: str, rest: Callable) ->
         return rest(out[..., :half], out[..., half:])
 
     gated_by_kernel.gated = (config, activation)  # (read by fuser.pipeline.norm_in_gemm)
+    gated_by_kernel.decode_gemm_launch = (config, lambda other: gated_linear(other, activation, rest))
     return gated_by_kernel
 
 

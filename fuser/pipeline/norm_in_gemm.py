@@ -212,6 +212,10 @@ def normed_linear(gemm: Callable, kernel: Callable, arity: int, normed_at: int, 
         out = gemm(outs[normed_at], weight)
         return (out,) if sum_at is None else (out, outs[sum_at])
 
+    def under(other: decode_gemm.Config) -> Callable:
+        return normed_linear(decode_gemm.launch_of(gemm)[1](other), kernel, arity, normed_at, sum_at, x_at, adds_at, weight_at, form, eps)
+
+    normed_by_kernel.decode_gemm_launch = (config, under)
     return normed_by_kernel
 
 

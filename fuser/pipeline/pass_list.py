@@ -40,6 +40,7 @@ from fuser.pipeline.merged_projections import merge_projections
 from fuser.pipeline.residual_in_gemm import residuals_in_gemm
 from fuser.pipeline.activation_in_gemm import activations_in_gemm
 from fuser.pipeline.decode_gemms import decode_gemms
+from fuser.pipeline.early_weights import early_weights
 from fuser.pipeline import decode_attentions
 from fuser.pipeline.gated_in_gemm import gated_in_gemm
 from fuser.pipeline.norm_in_gemm import norm_in_gemm
@@ -95,6 +96,8 @@ class Fusing:
     gated_apart: dict[str, str] = field(default_factory=dict)  # gated_in_gemm: those of a merged pair left apart -> why
     norm_in_gemm: list[str] = field(default_factory=list)  # norm_in_gemm: the norms the decode GEMM computes
     norms_apart: dict[str, str] = field(default_factory=dict)  # norm_in_gemm: those read by one left apart -> why
+    early_weights: list[str] = field(default_factory=list)  # early_weights: GEMMs reading their weight before the wait
+    early_waiting: dict[str, str] = field(default_factory=dict)  # early_weights: those left waiting -> why
     decode_attention: list[str] = field(default_factory=list)  # decode_attention: the attention calls on fuser's kernel
     forward: Callable | None = None  # compile_forward
 
@@ -297,6 +300,10 @@ def cache_write_by_attention(f: Fusing) -> None:
                           else entry for entry in f.decode_attention]  # fmt: skip
 
 
+def weights_read_early(f: Fusing) -> None:
+    f.early_weights, f.early_waiting = early_weights(f.graph, f.module)
+
+
 def compiled_forward(f: Fusing) -> None:
     f.forward = compile_forward(f.graph, f.module)
 
@@ -335,6 +342,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("norm_in_gemm", norm_by_gemm, "an RMSNorm (of a residual add too) whose output only a GEMM on the decode GEMM kernel reads computed by that kernel as its prologue: no launch for it"),
     Pass("decode_attention", decode_attention_kernel, "attention calls of one query row (a decode step) on fuser's decode attention kernel, on a CUDA GPU: the query heads of a key head as one tile, the keys in slices, blocks the mask hides not read"),
     Pass("cache_write_in_attention", cache_write_by_attention, "a plain StaticCache layer's write at decode made by the decode attention kernel that reads the cache next (the program whose slice holds the new slot): no launch for the write"),
+    Pass("early_weights", weights_read_early, "a decode GEMM launched with PDL right after a kernel of the same forward reads its first chunk of weight before waiting for that kernel: the read overlaps its end"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip
 

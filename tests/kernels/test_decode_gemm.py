@@ -33,7 +33,7 @@ def test_the_kernel_is_the_linear_layer(dtype, n, k, rows, residual):
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     r = torch.randn(rows, n, generator=g).to(dtype) if residual else None
     atol, rtol = TOLERANCES[dtype]
-    for config in (Config(block_n=32, block_k=64, warps=4, up_to=16), Config(block_n=4, block_k=512, warps=4, up_to=16)):
+    for config in (Config(block_n=32, block_k=64, warps=4, up_to=16, early=True), Config(block_n=4, block_k=512, warps=4, up_to=16)):
         assert takes(x, w, config)
         got = linear(x, w, config, r)
         torch.testing.assert_close(got, reference(x, w, r), atol=atol, rtol=rtol)
@@ -69,7 +69,7 @@ def test_the_kernel_with_the_norm_s_prologue_is_the_norm_then_the_linear_layer(d
     h = x + a if added else x
     expected = reference(rmsnorm(h, nw, 1e-5, form), w)
     atol, rtol = TOLERANCES[dtype]
-    for config in (Config(block_n=32, block_k=64, warps=4, up_to=16), Config(block_n=4, block_k=512, warps=4, up_to=16)):
+    for config in (Config(block_n=32, block_k=64, warps=4, up_to=16, early=True), Config(block_n=4, block_k=512, warps=4, up_to=16)):
         got = decode_gemm.normed(x, w, config, decode_gemm.Norm(form, nw, 1e-5, a))
         if added:
             got, got_h = got
@@ -122,6 +122,16 @@ def test_pdl_is_asked_for_at_one_row_only(monkeypatch):
         for rows in (1, 2):
             linear(torch.randn(rows, 32), w, config)
     assert [(k["PDL"], k["launch_pdl"]) for k in launches] == [(True, True), (False, False), (False, False), (False, False)]
+
+
+def test_the_early_weight_read_is_asked_for_at_every_row_count(monkeypatch):
+    launches = []
+    monkeypatch.setattr(decode_gemm, "_launch", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launches.append(k)})())
+    w = torch.randn(16, 32)
+    for config in (Config(16, 16, 2, 16, pdl=True, early=True), Config(16, 16, 2, 16, pdl=True)):
+        for rows in (1, 2, 3):
+            linear(torch.randn(rows, 32), w, config)
+    assert [k["EARLY"] for k in launches] == [True] * 3 + [False] * 3
 
 
 def test_leading_dims_and_a_strided_input_are_taken():
@@ -201,7 +211,7 @@ def test_compiled_kernel_is_the_linear_layer(dtype, n, k, rows):
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     r = torch.randn(rows, n, device="cuda", generator=g).to(dtype)
     atol, rtol = TOLERANCES[dtype]
-    for config in (Config(16, 128, 4, 16), Config(64, 256, 8, 16), Config(4, 2048, 4, 16, pdl=True), Config(8, 1024, 8, 16, pdl=True)):
+    for config in (Config(16, 128, 4, 16), Config(64, 256, 8, 16), Config(4, 2048, 4, 16, pdl=True, early=True), Config(8, 1024, 8, 16, pdl=True)):
         for _ in range(2):  # Triton's dispatch, then the binary's own launcher
             torch.testing.assert_close(linear(x, w, config), reference(x, w), atol=atol, rtol=rtol)
             torch.testing.assert_close(linear(x, w, config, r), reference(x, w, r), atol=atol, rtol=rtol)
@@ -233,7 +243,7 @@ def test_the_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, rows, 
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * 3 / k**0.5).to(dtype)  # gates of a few units: both arms of each activation
     atol, rtol = GATED_TOLERANCES[dtype]
-    for config in (Config(block_n=16, block_k=64, warps=4, up_to=16), Config(block_n=4, block_k=512, warps=4, up_to=16)):
+    for config in (Config(block_n=16, block_k=64, warps=4, up_to=16, early=True), Config(block_n=4, block_k=512, warps=4, up_to=16)):
         got = decode_gemm.gated(x, w, config, activation)
         assert got.dtype == dtype and got.shape == (rows, n // 2)
         torch.testing.assert_close(got, gated_reference(x, w, activation), atol=atol, rtol=rtol)
@@ -254,7 +264,7 @@ def test_compiled_gated_kernel_is_the_activated_gate_times_the_up(dtype, n, k, r
     x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) * 3 / k**0.5).to(dtype)
     atol, rtol = GATED_TOLERANCES[dtype]
-    for config in (Config(16, 128, 4, 16), Config(4, 2048, 4, 16, pdl=True)):
+    for config in (Config(16, 128, 4, 16), Config(4, 2048, 4, 16, pdl=True, early=True)):
         for _ in range(2):  # Triton's dispatch, then the binary's own launcher
             torch.testing.assert_close(decode_gemm.gated(x, w, config, activation), gated_reference(x, w, activation), atol=atol, rtol=rtol)
 
@@ -274,7 +284,7 @@ def test_compiled_kernel_with_the_norm_s_prologue(dtype, n, k, rows, added):
     atol, rtol = TOLERANCES[dtype]
     for form in decode_gemm.NORMS:
         expected = reference(rmsnorm(h, nw, 1e-5, form), w)
-        for config in (Config(8, 2048, 4, 16, pdl=True), Config(16, 512, 8, 16)):
+        for config in (Config(8, 2048, 4, 16, pdl=True, early=True), Config(16, 512, 8, 16)):
             for _ in range(2):  # Triton's dispatch, then the binary's own launcher
                 got = decode_gemm.normed(x, w, config, decode_gemm.Norm(form, nw, 1e-5, a))
                 if added:
