@@ -65,7 +65,7 @@ MAX_BATCH = 1
 #: benchmarks/results/README.md, "The attention kernel's slices"). Wider heads aim at as many
 #: fewer: a program of 128-wide heads holds twice the registers, so half as many run at once, and
 #: a second wave of slices cost more than it read (Qwen3-8B's heads at 4096 keys 12.2 µs at 264
-#: programs, 14.7 at 528; "The slices by head width").
+#: programs, 14.7 at 528; "The mask read a block ahead").
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16

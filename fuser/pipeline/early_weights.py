@@ -16,6 +16,7 @@ re-derived).
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -26,14 +27,17 @@ from fuser.install import decode_gemm
 from fuser.install.fused_graph import REGION_META
 from fuser.pipeline import residual_in_gemm
 
+#: ``x += y`` and the like, as traced.
+IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow, operator.iand, operator.ior)
 #: Call targets that always launch a kernel (never a view or a no-op).
 ALWAYS_LAUNCH = (F.linear, F.scaled_dot_product_attention, residual_in_gemm.accumulate)
 
 
-def early_weights(graph: fx.Graph, module: nn.Module) -> tuple[list[str], dict[str, str]]:
+def early_weights(graph: fx.Graph, module: nn.Module, unsure: tuple = ()) -> tuple[list[str], dict[str, str]]:
     """Rewrite each GEMM of ``graph`` on the decode GEMM kernel with PDL whose kernel follows one
     of the same forward to read its first chunk of weight early (in place); returns the GEMMs
-    rewritten, and those left waiting -> why."""
+    rewritten, and those left waiting -> why. ``unsure``: the regions of fuser's kernels that a
+    call may not launch (run once per model forward, or handed over by the layer before)."""
     gemms = [n for n in graph.nodes if n.op == "call_function" and (launch := decode_gemm.launch_of(n.target)) and launch[0].pdl]
     written = [n.name for n in graph.nodes if writes_an_attribute(n)]
     if written:
@@ -47,7 +51,7 @@ def early_weights(graph: fx.Graph, module: nn.Module) -> tuple[list[str], dict[s
                 done.append(weight_name(node))
             else:
                 waiting[weight_name(node)] = "the forward's first kernel (the one before it is the caller's)"
-        launched = launched or launches(node, module)
+        launched = launched or launches(node, module, unsure)
     graph.lint()
     return done, waiting
 
@@ -61,11 +65,11 @@ def weight_name(gemm: fx.Node) -> str:
     return weight.target.removesuffix(".weight").removeprefix("_fuser_").removesuffix("_weight")
 
 
-def launches(node: fx.Node, module: nn.Module) -> bool:
-    """Does ``node`` surely launch a kernel on the GPU (a view, a no-op cast, a Python value or an
-    unknown module never counts)?"""
+def launches(node: fx.Node, module: nn.Module, unsure: tuple = ()) -> bool:
+    """Does ``node`` surely launch a kernel on the GPU (a view, a no-op cast, a Python value, an
+    unknown module or a kernel of ``unsure`` never counts)?"""
     if REGION_META in node.meta:  # one of fuser's kernels
-        return True
+        return not any(node.meta[REGION_META] is region for region in unsure)
     if node.op == "call_module":
         return type(module.get_submodule(node.target)) is nn.Linear
     if node.op != "call_function":
@@ -81,5 +85,5 @@ def writes_an_attribute(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if isinstance(node.target, torch._ops.OpOverload):
         name = node.target._schema.name.rpartition("::")[2]
-    in_place = name.endswith("_") and not name.endswith("__")
+    in_place = (name.endswith("_") and not name.endswith("__")) or node.target in IN_PLACE_OPERATORS
     return in_place and node.args[0].op == "get_attr"

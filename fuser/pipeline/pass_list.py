@@ -301,7 +301,7 @@ def cache_write_by_attention(f: Fusing) -> None:
 
 
 def weights_read_early(f: Fusing) -> None:
-    f.early_weights, f.early_waiting = early_weights(f.graph, f.module)
+    f.early_weights, f.early_waiting = early_weights(f.graph, f.module, tuple(k.region for k in f.shared + f.taken))
 
 
 def compiled_forward(f: Fusing) -> None:

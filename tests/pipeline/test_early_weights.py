@@ -9,6 +9,7 @@ on the GPU.)"""
 
 import copy
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -79,8 +80,20 @@ def test_views_and_modules_that_may_launch_nothing_do_not_count_as_a_kernel_befo
     assert early_of(graph) == [False] and done == [] and list(waiting) == ["w2"]
 
 
-def test_a_forward_that_writes_an_attribute_in_place_reads_no_weight_early():
+def test_a_kernel_a_call_may_not_launch_does_not_count_as_a_kernel_before():
+    # run once per model forward, or handed over by the layer before: in most calls no launch
+    graph, module = graph_of("kernel", "gemm", "kernel", "gemm")
+    first, second = [n for n in graph.nodes if REGION_META in n.meta]
+    done, waiting = early_weights.early_weights(graph, module, unsure=(first.meta[REGION_META],))
+    assert early_of(graph) == [False, True] and done == ["w3"] and list(waiting) == ["w1"]
+
+
+@pytest.mark.parametrize("spelling", ["add_", "iadd"])
+def test_a_forward_that_writes_an_attribute_in_place_reads_no_weight_early(spelling):
     graph, module = graph_of("kernel", "gemm", "write")
+    if spelling == "iadd":  # self.w0 += 1.0, as traced
+        write = [n for n in graph.nodes if n.name == "write_2"][0]
+        write.op, write.target = "call_function", operator.iadd
     done, waiting = early_weights.early_weights(graph, module)
     assert early_of(graph) == [False] and done == []
     assert "writes a module attribute in place (write_2)" in waiting["w1"]
