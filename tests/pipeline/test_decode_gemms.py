@@ -33,8 +33,9 @@ def shapes(layer) -> set[tuple[int, int]]:
     return found
 
 
-def write_table(tmp_path, found, up_to=16) -> str:
-    entries = [dict(n=n, k=k, dtype="float32", up_to=up_to, config=dict(block_n=16, block_k=32, warps=2)) for n, k in sorted(found)]
+def write_table(tmp_path, found, up_to=16, dtype="float32", config=None) -> str:
+    config = config or dict(block_n=16, block_k=32, warps=2)
+    entries = [dict(n=n, k=k, dtype=dtype, up_to=up_to, config=config) for n, k in sorted(found)]
     path = tmp_path / "decode_gemm.json"
     path.write_text(json.dumps({"gpu": "test", "entries": entries}))
     return str(path)

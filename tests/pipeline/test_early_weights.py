@@ -22,6 +22,7 @@ from fuser.install import decode_gemm
 from fuser.install.decode_gemm import Config
 from fuser.install.fused_graph import REGION_META
 from fuser.pipeline import decode_gemms, early_weights, gated_in_gemm, norm_in_gemm
+from fuser.tools.capture import capture_decode
 from fuser.validate.tolerance import LAYER, mismatch
 from tests.model.test_decode import PROMPT, greedy, prefilled, step
 from tests.model.test_model import causal_lm
@@ -190,22 +191,14 @@ def test_on_the_gpu_early_reads_in_a_captured_graph_read_what_the_kernel_before_
     torch.manual_seed(0)
     model = LongGlueThenGemms().cuda().to(torch.bfloat16)
     eager = copy.deepcopy(model)
-    entries = [dict(n=n, k=k, dtype="bfloat16", up_to=1, config=dict(block_n=4, block_k=2048, warps=4)) for n, k in ((2048, 16384), (16384, 2048))]
-    table = tmp_path / "decode_gemm.json"
-    table.write_text(__import__("json").dumps({"gpu": "test", "entries": entries}))
-    monkeypatch.setenv(decode_gemm.TABLE_ENV, str(table))
+    table = write_table(tmp_path, {(2048, 16384), (16384, 2048)}, up_to=1, dtype="bfloat16", config=dict(block_n=4, block_k=2048, warps=4))
+    monkeypatch.setenv(decode_gemm.TABLE_ENV, table)
     static = torch.randn(1, 16384, device="cuda", dtype=torch.bfloat16)
     report = fuser.apply(model, (static.clone(),))
     assert report.early_weights == ["up", "down"], report.text()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model(static.clone())
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = model(static)
+    captured = capture_decode(model, lambda batch: (static,), [1])
+    assert captured.captured == [1], captured.failed
+    graph, out = captured.graphs[1].graph, captured.graphs[1].output
     for seed in range(20):
         static.copy_(torch.randn(1, 16384, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed)))
         graph.replay()
