@@ -68,6 +68,7 @@ FUSER_VARIANTS = (
     ("fuser -gated_in_gemm", dict(disable_passes=("gated_in_gemm",))),
     ("fuser -decode_attention", dict(disable_passes=("decode_attention",))),
     ("fuser -cache_write_in_attention", dict(disable_passes=("cache_write_in_attention",))),
+    ("fuser -combine_in_attention", dict(disable_passes=("combine_in_attention",))),
     ("fuser -norm_in_gemm", dict(disable_passes=("norm_in_gemm",))),
     ("fuser -early_weights", dict(disable_passes=("early_weights",))),
     ("fuser -activation_in_gemm", dict(disable_passes=("activation_in_gemm",))),

@@ -9,7 +9,9 @@ sequence (the query heads of its group, padded to 16 rows, as one ``tl.dot`` aga
 of keys) over one slice of the keys, with the online softmax in fp32; the probabilities are
 rounded to the values' dtype before their product with the values, as flash and cuDNN round
 them. A call with more key rows than one slice runs the slices as programs of their own and a
-second kernel combines them (each slice's running max, sum and weighted values).
+second kernel combines them (each slice's running max, sum and weighted values); given counts
+kept between calls (``counts``: one a key head of a sequence, zeroed), the program that
+finishes a key head's slices last combines them instead, and the call is one launch.
 
 A block of keys that the mask hides from every query head (``-inf`` in an additive mask,
 ``False`` in a boolean one) is not read: a static cache passes its whole length to the call
@@ -69,6 +71,9 @@ MAX_BATCH = 1
 PROGRAMS = 528
 #: Slices the combining kernel reads at a time.
 CHUNK = 16
+#: The most partial values (fp32, of its query heads by the slices read at once) a program combining
+#: its key head's slices holds: 64 registers a thread of its four warps.
+FOLD_ELEMENTS = 8192
 #: An additive mask's values at or below this hide a key (cuDNN's fill, ``finfo.min``, ``-inf``).
 HIDDEN = -65504.0
 #: Mask kinds (``MASK``): none, additive, boolean.
@@ -101,16 +106,17 @@ def _bias(m_ptr, b, heads, g_ok, first, end, m_b, m_h, m_s, MASK: tl.constexpr, 
 
 @triton.jit
 def _attend(
-    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, new_k_ptr, new_v_ptr, length_ptr, done_ptr,
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, part_ptr, stat_ptr, new_k_ptr, new_v_ptr, length_ptr, done_ptr, count_ptr,
     S, per_slice, scale, heads_kv,
     q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s, o_b, o_h, nk_b, nk_h, nv_b, nv_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MASK: tl.constexpr, SLICED: tl.constexpr, WRITE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr,
-    HIDDEN: tl.constexpr,
+    MASK: tl.constexpr, SLICED: tl.constexpr, WRITE: tl.constexpr, COMBINE: tl.constexpr, FOLD: tl.constexpr,
+    EXACT: tl.constexpr, PDL: tl.constexpr, HIDDEN: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
     slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
-    and unnormalised weighted values for :func:`_combine`. With ``WRITE`` the step's new key and
+    and unnormalised weighted values for :func:`_combine` (with ``COMBINE``, for the last program of
+    the key head's slices to finish, which combines them: :func:`_combine_group`). With ``WRITE`` the step's new key and
     value rows are written at the cache's length first (by the program whose slice holds that
     slot; one past the cache is dropped) and read from the registers where the loop meets them;
     the last program to finish moves the length on by one."""
@@ -177,11 +183,47 @@ def _attend(
         tl.store(part_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
         tl.store(stat_ptr + row * 2, m_i, mask=g_ok)
         tl.store(stat_ptr + row * 2 + 1, l_i, mask=g_ok)
+        if COMBINE:
+            # Every thread's stores before the count (acq_rel: released by it, and seen by the
+            # program that counts last, after its own acquire); that program sets the count back.
+            tl.debug_barrier()
+            if tl.atomic_add(count_ptr + bh, 1) == tl.num_programs(1) - 1:
+                _combine_group(part_ptr, stat_ptr, o_ptr, b, heads, g_ok, d, d_ok, (b * heads_kv * GROUP + heads) * tl.num_programs(1),
+                               tl.num_programs(1), o_b, o_h, FOLD)  # fmt: skip
+                tl.store(count_ptr + bh, 0)
     else:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     if WRITE:
         move_length_on(length_ptr, done_ptr, length, 1, tl.num_programs(0) * tl.num_programs(1))
+
+
+@triton.jit
+def _combine_group(part_ptr, stat_ptr, o_ptr, b, heads, g_ok, d, d_ok, first, slices, o_b, o_h, FOLD: tl.constexpr):
+    """The output of a key head's query heads ``heads`` (rows ``first`` of the parts and stats,
+    their ``slices`` in a row): their slices' weighted values, rescaled to the largest max and
+    summed, :data:`FOLD` slices at a time (read past L1: other programs wrote them)."""
+    p = tl.arange(0, FOLD)
+    m_run = tl.full(g_ok.shape, float("-inf"), tl.float32)
+    l_run = tl.zeros(g_ok.shape, tl.float32)
+    acc = tl.zeros((g_ok.shape[0], d.shape[0]), tl.float32)
+    start = 0
+    while start < slices:
+        rows = first[:, None] + start + p[None, :]
+        ok = g_ok[:, None] & (start + p < slices)[None, :]
+        start += FOLD
+        m = tl.load(stat_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(stat_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        parts = tl.load(part_ptr + rows[:, :, None] * d.shape[0] + d[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        top = tl.maximum(m_run, tl.max(m, axis=1))
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        alpha = tl.exp(m_run - safe)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - safe[:, None]))
+        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], axis=1)
+        l_run = l_run * alpha + tl.sum(l * w, axis=1)
+        m_run = top
+    out = acc / l_run[:, None]
+    tl.store(o_ptr + b * o_b + heads[:, None] * o_h + d[None, :], to_dtype(out, o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -280,6 +322,19 @@ def takes_write(k, v, new_k, new_v, length, done) -> bool:
     return length.numel() == 1 and not length.is_floating_point() and done.numel() == 1 and done.dtype == torch.int32
 
 
+def takes_counts(counts, batch: int, heads_kv: int, device) -> bool:
+    """Is ``counts`` an int32 tensor of a count for each of ``batch × heads_kv`` key heads on
+    ``device`` (see :func:`attention`)?"""
+    return (isinstance(counts, torch.Tensor) and counts.dtype == torch.int32 and counts.device == device
+            and counts.is_contiguous() and counts.numel() >= batch * heads_kv)  # fmt: skip
+
+
+def fold(rows: int, block_d: int) -> int:
+    """Slices the combining program reads at a time: up to :data:`FOLD_ELEMENTS` partial values
+    of its rows, 8 slices at most."""
+    return max(1, min(8, FOLD_ELEMENTS // (rows * block_d)))
+
+
 def slices(batch: int, heads_kv: int, keys: int, dim: int) -> int:
     """Slices of the keys: as many as give about :data:`PROGRAMS` programs (fewer in proportion
     for heads wider than 64), each a multiple of :data:`BLOCK_S` keys."""
@@ -288,13 +343,18 @@ def slices(batch: int, heads_kv: int, keys: int, dim: int) -> int:
     return max(1, min(blocks, programs // max(batch * heads_kv, 1)))
 
 
-def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, pdl=False, write=None):
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, pdl=False, write=None,
+              counts=None):  # fmt: skip
     """``F.scaled_dot_product_attention(q, k, v, ...)``: by the kernel where :func:`takes` says
     so, by PyTorch's otherwise. ``write``, where given, is ``(new_k, new_v, length, done)``: the
     step's key and value rows (``[batch, key heads, 1, dim]``, the last dim contiguous) that the
     kernel writes into ``k`` and ``v`` at slot ``length`` (a one-element int tensor on the device,
     moved on by one) before it attends, ``done`` a zeroed int32 count of its programs (see
-    :func:`takes_write`; the caller checks that it does)."""
+    :func:`takes_write`; the caller checks that it does). ``counts``, where given, is a zeroed
+    int32 tensor of a count for each key head of each sequence, kept zeroed between calls (the
+    kernel sets each back; :func:`takes_counts`): a call of several slices then combines them in
+    the program that finishes a key head's last, not in a second kernel. A tensor kept beside a
+    static cache serves, used by one call at a time."""
     if not takes(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         if write is not None:
             raise ValueError("decode_attention.attention: a write into the cache is given with a call the kernel does not take")
@@ -315,16 +375,21 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     parts = torch.empty((batch * heads * pieces, block_d), dtype=torch.float32, device=q.device) if sliced else out
     stats = torch.empty((batch * heads * pieces, 2), dtype=torch.float32, device=q.device) if sliced else out
     new_k, new_v, length, done = write if write is not None else (q, q, q, q)
+    if counts is not None and not takes_counts(counts, batch, heads_kv, q.device):
+        raise ValueError(f"decode_attention.attention: counts of {counts.numel()} {counts.dtype} on {counts.device} "
+                         f"given for {batch * heads_kv} key heads on {q.device} (a zeroed int32 tensor of one each)")  # fmt: skip
+    combine = sliced and counts is not None
+    rows = max(MIN_ROWS, triton.next_power_of_2(group))
     _attend_launch[(batch * heads_kv, pieces)](
-        q, k, v, mask, out, parts, stats, new_k, new_v, length, done,
+        q, k, v, mask, out, parts, stats, new_k, new_v, length, done, counts if combine else q,
         keys, per_slice, 1.0 / math.sqrt(dim) if scale is None else float(scale), heads_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *m_strides, out.stride(0), out.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S,
-        MASK=kind, SLICED=sliced, WRITE=write is not None, EXACT=exact_products(q.dtype), PDL=pdl, HIDDEN=HIDDEN,
-        num_warps=4, launch_pdl=pdl,
+        GROUP=group, ROWS=rows, D=dim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, MASK=kind, SLICED=sliced,
+        WRITE=write is not None, COMBINE=combine, FOLD=fold(rows, block_d), EXACT=exact_products(q.dtype), PDL=pdl,
+        HIDDEN=HIDDEN, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    if sliced:
+    if sliced and not combine:
         _combine_launch[(batch * heads,)](
             parts, stats, out, heads, out.stride(0), out.stride(1), pieces,
             CHUNK=CHUNK, D=dim, BLOCK_D=block_d, PDL=pdl, num_warps=1 if CHUNK * block_d <= 2048 else 4, launch_pdl=pdl,

@@ -130,16 +130,23 @@ def static_layer(cache, layer_idx, key_states: torch.Tensor, value_states: torch
     return layer
 
 
-_DONE: dict[int, torch.Tensor] = {}  # id(length) -> its count of programs done
+_COUNTS: dict[tuple[int, int], torch.Tensor] = {}  # (id(tensor), n) -> its n zeroed counts
+
+
+def counts_beside(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` zeroed int32 counts kept beside ``tensor`` (on its device) while it lives: kernels
+    that count their programs done set them back to zero before they end."""
+    key = (id(tensor), n)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = _COUNTS[key] = torch.zeros(n, dtype=torch.int32, device=tensor.device)
+        weakref.finalize(tensor, _COUNTS.pop, key, None)
+    return counts
 
 
 def done_count(length: torch.Tensor) -> torch.Tensor:
-    """The zeroed int32 count kept beside a layer's length while the length lives."""
-    count = _DONE.get(id(length))
-    if count is None:
-        count = _DONE[id(length)] = torch.zeros(1, dtype=torch.int32, device=length.device)
-        weakref.finalize(length, _DONE.pop, id(length), None)
-    return count
+    """The zeroed int32 count of a kernel's programs done kept beside a layer's length."""
+    return counts_beside(length, 1)
 
 
 def update(cache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx, *args, pdl: bool = False, **kwargs):

@@ -8,7 +8,8 @@ does not take it, so a prefill through the same fused graph is PyTorch's attenti
 nothing changes (the kernel runs there only in Triton's interpreter).
 
 :func:`cache_writes_in_attention` then gives such a call the write into the static cache before
-it, where the cache's update is read by that call alone (:mod:`fuser.install.cache_in_attention`).
+it, where the cache's update is read by that call alone (:mod:`fuser.install.cache_in_attention`),
+and :func:`slices_combined_in_attention` has that kernel combine its slices of keys too.
 """
 
 from __future__ import annotations
@@ -85,3 +86,15 @@ def _update_read_by(attend: fx.Node, updaters) -> fx.Node | None:
     if update.op != "call_function" or update.target not in updaters or len(update.args) != 4 or update.kwargs:
         return None
     return update if set(update.users) == {keys, values} and isinstance(update.args[0], fx.Node) else None
+
+
+def slices_combined_in_attention(graph: fx.Graph) -> list[str]:
+    """Make each call that writes the cache and attends (:func:`cache_writes_in_attention`)
+    combine its slices of keys in its kernel, not in a second one (in place); returns the calls,
+    named."""
+    done = []
+    for node in graph.nodes:
+        if node.op == "call_function" and not getattr(node.target, "combines", True):
+            node.target = cache_in_attention.writer(node.target.decode_attention_pdl, combine=True)
+            done.append(node.name)
+    return done

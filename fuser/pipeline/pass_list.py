@@ -300,6 +300,12 @@ def cache_write_by_attention(f: Fusing) -> None:
                           else entry for entry in f.decode_attention]  # fmt: skip
 
 
+def slices_combined_by_attention(f: Fusing) -> None:
+    if decode_attentions.slices_combined_in_attention(f.graph):  # every call that writes the cache
+        f.decode_attention = [f"{entry}, combining its slices of keys itself" if "writing the cache" in entry else entry
+                              for entry in f.decode_attention]  # fmt: skip
+
+
 def weights_read_early(f: Fusing) -> None:
     f.early_weights, f.early_waiting = early_weights(f.graph, f.module, tuple(k.region for k in f.shared + f.taken))
 
@@ -342,6 +348,7 @@ PASS_LIST: tuple[Pass, ...] = (
     Pass("norm_in_gemm", norm_by_gemm, "an RMSNorm (of a residual add too) whose output only a GEMM on the decode GEMM kernel reads computed by that kernel as its prologue: no launch for it"),
     Pass("decode_attention", decode_attention_kernel, "attention calls of one query row (a decode step) on fuser's decode attention kernel, on a CUDA GPU: the query heads of a key head as one tile, the keys in slices, blocks the mask hides not read"),
     Pass("cache_write_in_attention", cache_write_by_attention, "a plain StaticCache layer's write at decode made by the decode attention kernel that reads the cache next (the program whose slice holds the new slot): no launch for the write"),
+    Pass("combine_in_attention", slices_combined_by_attention, "the decode attention kernel that writes the cache combining its slices of keys too (the program that finishes a key head's last): no launch for the combine"),
     Pass("early_weights", weights_read_early, "a decode GEMM launched with PDL right after a kernel of the same forward reads its first chunk of weight before waiting for that kernel: the read overlaps its end"),
     Pass("compile_forward", compiled_forward, "the fused graph as the forward to install", required=True),
 )  # fmt: skip

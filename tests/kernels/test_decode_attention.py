@@ -6,6 +6,7 @@ tolerances; blocks a mask hides are not read; the calls it does not take run PyT
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from fuser.install import decode_attention
 from fuser.install.decode_attention import attention, slices, takes
@@ -148,19 +149,78 @@ WRITES = [(torch.bfloat16, shape, slot) for shape in [(1, 8, 2, 37, 16), (2, 4, 
 
 
 @pytest.mark.parametrize("dtype,shape,slot", WRITES, ids=lambda x: str(x).removeprefix("torch."))
-def test_the_kernel_writes_the_step_s_rows_at_the_length_then_attends(dtype, shape, slot):
+@pytest.mark.parametrize("combine", [False, True], ids=["combined apart", "combined in it"])
+def test_the_kernel_writes_the_step_s_rows_at_the_length_then_attends(monkeypatch, dtype, shape, slot, combine):
     # The step's rows written at the cache's length (one slice holds that slot, a slice's first
     # and last rows among them; one past the cache drops them), attention over the cache as
-    # written, the length moved on by one and the count of programs back at zero.
+    # written, the length moved on by one and the count of programs back at zero; given counts,
+    # one launch, the counts back at zero.
     batch, heads, heads_kv, keys, dim = shape
     q, k, v, new_k, new_v, mask, k_after, v_after = write_case(batch, heads, heads_kv, keys, dim, dtype, slot)
     length, done = torch.tensor([slot]), torch.zeros(1, dtype=torch.int32)
+    counts = torch.zeros(batch * heads_kv, dtype=torch.int32) if combine else None
+    combines = spy_combines(monkeypatch)
     assert decode_attention.takes_write(k, v, new_k, new_v, length, done)
-    got = attention(q, k, v, mask, enable_gqa=True, write=(new_k, new_v, length, done))
+    got = attention(q, k, v, mask, enable_gqa=True, write=(new_k, new_v, length, done), counts=counts)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(got, reference(q, k_after, v_after, mask), atol=atol, rtol=rtol)
     assert torch.equal(k, k_after) and torch.equal(v, v_after)
     assert length.tolist() == [slot + 1] and done.tolist() == [0]
+    sliced = slices(batch, heads_kv, keys, dim) > 1
+    assert len(combines) == (sliced and not combine), combines
+    if combine:
+        assert counts.tolist() == [0] * batch * heads_kv
+
+
+def spy_combines(monkeypatch) -> list:
+    """Each launch of the combining kernel, as its grid."""
+    launches, real = [], decode_attention._combine_launch
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(decode_attention, "_combine_launch", Spy())
+    return launches
+
+
+# (batch, query heads, key heads, keys, head dim): slices more than one read at a time, a group of
+# more rows than the smallest tile, heads of 256
+COMBINED = [(1, 32, 8, 256, 64), (2, 4, 4, 200, 64), (1, 6, 2, 1000, 80), (1, 4, 1, 2100, 32), (3, 7, 1, 130, 96),
+            (1, 64, 2, 900, 128), (2, 8, 4, 520, 256)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("batch,heads,heads_kv,keys,dim", COMBINED)
+def test_slices_combined_in_the_kernel_are_sdpa(monkeypatch, dtype, batch, heads, heads_kv, keys, dim):
+    # The last of a key head's slices to finish combines them: no second kernel, the counts
+    # back at zero, called again the same (a call after a call).
+    q, k, v = inputs(batch, heads, heads_kv, keys, dim, dtype, seed=keys)
+    mask = static_cache_mask(batch, keys, [max(1, keys - 40 * b) for b in range(batch)], dtype)
+    counts = torch.zeros(batch * heads_kv + 3, dtype=torch.int32)  # more than needed serve
+    combines = spy_combines(monkeypatch)
+    atol, rtol = TOLERANCES[dtype]
+    expected = reference(q, k, v, mask)
+    for _ in range(2):
+        torch.testing.assert_close(attention(q, k, v, mask, enable_gqa=True, counts=counts), expected, atol=atol, rtol=rtol)
+        assert counts.tolist() == [0] * len(counts)
+    assert combines == []
+
+
+def test_the_combined_cases_read_their_slices_in_one_fold_and_in_several():
+    folds = [triton.cdiv(slices(b, hk, keys, d), decode_attention.fold(max(16, triton.next_power_of_2(h // hk)), max(16, d)))
+             for b, h, hk, keys, d in COMBINED]  # fmt: skip
+    assert 1 in folds and max(folds) > 1, folds
+
+
+def test_counts_it_cannot_use_are_refused():
+    q, k, v = inputs(2, 8, 2, 300, 32, torch.float32)
+    for what, counts in {"too few": torch.zeros(3, dtype=torch.int32), "int64": torch.zeros(4, dtype=torch.int64),
+                         "not contiguous": torch.zeros(8, dtype=torch.int32)[::2]}.items():  # fmt: skip
+        with pytest.raises(ValueError, match="counts of"):
+            attention(q, k, v, enable_gqa=True, counts=counts)
+        assert not decode_attention.takes_counts(counts, 2, 2, q.device), what
 
 
 def test_a_write_it_cannot_make_is_refused():
@@ -237,19 +297,47 @@ def test_compiled_kernel_is_sdpa_at_one_query_row(dtype, batch, heads, heads_kv,
 @pytest.mark.parametrize("shape,slot", [((1, 32, 8, 256, 64), 0), ((1, 32, 8, 256, 64), 130), ((1, 32, 8, 4096, 128), 2047),
                                         ((1, 4, 1, 2100, 32), 2099), ((1, 4, 1, 2100, 32), 2100)])  # fmt: skip
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_compiled_kernel_writes_the_step_s_rows_then_attends(dtype, shape, slot, pdl):
+@pytest.mark.parametrize("combine", [False, True], ids=["combined apart", "combined in it"])
+def test_compiled_kernel_writes_the_step_s_rows_then_attends(dtype, shape, slot, pdl, combine):
     # Compiled, the program that writes the new rows reads them from its registers, not from the
-    # memory its other threads wrote: the result is attention over the cache as written.
+    # memory its other threads wrote: the result is attention over the cache as written. Combined
+    # in the kernel, the last program of a key head reads the slices other programs wrote.
     case = write_case(*shape, dtype, slot)
     q, k, v, new_k, new_v, mask, k_after, v_after = (t.cuda() for t in case)
     atol, rtol = TOLERANCES[dtype]
     pdl = pdl and torch.cuda.get_device_capability() >= (9, 0)
+    counts = torch.zeros(shape[0] * shape[2], dtype=torch.int32, device="cuda") if combine else None
     for _ in range(2):  # Triton's dispatch, then the binary's own launcher
         length, done = torch.tensor([slot], device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
-        got = attention(q, k, v, mask, enable_gqa=True, pdl=pdl, write=(new_k, new_v, length, done))
+        got = attention(q, k, v, mask, enable_gqa=True, pdl=pdl, write=(new_k, new_v, length, done), counts=counts)
         torch.testing.assert_close(got, reference(q.cpu(), k_after.cpu(), v_after.cpu(), mask.cpu()).cuda(), atol=atol, rtol=rtol)
         assert torch.equal(k, k_after) and torch.equal(v, v_after)
         assert length.tolist() == [slot + 1] and done.tolist() == [0]
+        assert counts is None or counts.tolist() == [0] * len(counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("batch,heads,heads_kv,keys,dim", COMBINED + [(1, 32, 8, 16384, 64), (1, 32, 8, 4096, 128)])
+def test_compiled_kernel_combines_its_slices_in_a_captured_graph(dtype, batch, heads, heads_kv, keys, dim):
+    # Replayed in a CUDA graph on new inputs, many times: a combine that read a slice before its
+    # program had stored it, or counts not set back, would differ from the reference.
+    q, k, v = (t.cuda() for t in inputs(batch, heads, heads_kv, keys, dim, dtype, seed=keys))
+    mask = static_cache_mask(batch, keys, [max(1, keys - 40 * b) for b in range(batch)], dtype, fill=-65504.0).cuda()
+    counts = torch.zeros(batch * heads_kv, dtype=torch.int32, device="cuda")
+    pdl = torch.cuda.get_device_capability() >= (9, 0)
+    attention(q, k, v, mask, enable_gqa=True, pdl=pdl, counts=counts)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention(q, k, v, mask, enable_gqa=True, pdl=pdl, counts=counts)
+    atol, rtol = TOLERANCES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(20):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
+        v.copy_(torch.randn(v.shape, device="cuda", generator=g))
+        graph.replay()
+        torch.testing.assert_close(out, reference(q.cpu(), k.cpu(), v.cpu(), mask.cpu()).cuda(), atol=atol, rtol=rtol)
+    assert counts.tolist() == [0] * len(counts)
 
 
 def test_a_cache_that_grows_launches_the_same_binaries(monkeypatch):

@@ -14,6 +14,7 @@ import fuser
 from fuser.install import cache_in_attention, decode_attention, kv_cache
 from fuser.pipeline import decode_attentions
 from fuser.validate.tolerance import LAYER, mismatch
+from tests.kernels.test_decode_attention import spy_combines
 from tests.model.test_decode import BATCH, PROMPT, greedy, prefilled, step
 from tests.model.test_model import causal_lm
 
@@ -80,20 +81,25 @@ def test_switched_off_or_on_the_cpu_the_calls_are_pytorch_s(monkeypatch, how):
 
 
 @pytest.mark.parametrize("model_name", ["llama", "qwen3"])
-@pytest.mark.parametrize("how", ["merged", "switched off"])
+@pytest.mark.parametrize("how", ["merged", "merged, combined apart", "switched off"])
 def test_the_cache_write_runs_in_the_attention_kernel_and_decode_is_eager_s(monkeypatch, model_name, how):
     # The static cache's write and the attention after it as one kernel at decode: the cache
     # holds eager's rows after each step, the logits are eager's; more sequences than the kernel
-    # is called for, the write and PyTorch's attention run apart as before.
+    # is called for, the write and PyTorch's attention run apart as before. Merged, the slices of
+    # the keys are combined in that kernel too, unless that pass is off.
     model = causal_lm(model_name, layers=2)
     cache, tokens = prefilled(model)
     eager_model = copy.deepcopy(model)
     monkeypatch.setattr(decode_attentions, "on_gpu", lambda inputs: True)  # as on a GPU
-    off = ("cache_write_in_attention",) if how == "switched off" else ()
+    off = {"merged": (), "merged, combined apart": ("combine_in_attention",), "switched off": ("cache_write_in_attention",)}[how]
     report = fuser.apply(model, (), example_kwargs=step(tokens, PROMPT, copy.deepcopy(cache)), disable_passes=off)
     (line,) = report.groups[0].report.decode_attention
-    assert ("writing the cache before it (past_key_values.update)" in line) == (how == "merged"), line
+    assert ("writing the cache before it (past_key_values.update)" in line) == how.startswith("merged"), line
+    assert ("combining its slices of keys itself" in line) == (how == "merged"), line
 
+    monkeypatch.setattr(decode_attention, "BLOCK_S", 8)  # the tiny cache (11 keys) in two slices
+    monkeypatch.setattr(decode_attention, "slices", lambda *shape: 2)
+    combines = spy_combines(monkeypatch)
     calls = kernel_calls(monkeypatch)
     eager_cache = copy.deepcopy(cache)
     eager = greedy(eager_model, eager_cache, tokens)
@@ -102,7 +108,7 @@ def test_the_cache_write_runs_in_the_attention_kernel_and_decode_is_eager_s(monk
         calls.clear()
         fused_cache = copy.deepcopy(cache)
         fused = greedy(model, fused_cache, tokens)
-        expected = [how == "merged"] * 2 * len(fused) if max_batch == BATCH else []  # a call a layer a step, or none
+        expected = [how.startswith("merged")] * 2 * len(fused) if max_batch == BATCH else []  # a call a layer a step, or none
         assert [wrote for _, wrote in calls] == expected, calls
         for i, (got, expected) in enumerate(zip(fused, eager)):
             problem = mismatch(got, expected, f"logits at step {i}, up to {max_batch} sequences", LAYER)
@@ -112,6 +118,7 @@ def test_the_cache_write_runs_in_the_attention_kernel_and_decode_is_eager_s(monk
             for name in ("keys", "values"):
                 problem = mismatch(getattr(got, name), getattr(expected, name), f"layer {i}'s cached {name}", LAYER)
                 assert problem is None, problem
+    assert len(combines) == (0 if how == "merged" else 2 * len(fused)), combines  # (none at one sequence: PyTorch's attention)
 
 
 def test_a_cache_read_between_the_write_and_the_attention_keeps_them_apart():

@@ -45,6 +45,7 @@ NAMES = [
     "norm_in_gemm",
     "decode_attention",
     "cache_write_in_attention",
+    "combine_in_attention",
     "early_weights",
     "compile_forward",
 ]
