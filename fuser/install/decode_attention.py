@@ -115,11 +115,11 @@ def _attend(
 ):  # fmt: skip
     """One program: the query heads of key head ``kvh`` of sequence ``b`` against the keys of
     slice ``pid(1)``; the output where the call has one slice, else the slice's running max, sum
-    and unnormalised weighted values for :func:`_combine` (with ``COMBINE``, for the last program of
-    the key head's slices to finish, which combines them: :func:`_combine_group`). With ``WRITE`` the step's new key and
-    value rows are written at the cache's length first (by the program whose slice holds that
-    slot; one past the cache is dropped) and read from the registers where the loop meets them;
-    the last program to finish moves the length on by one."""
+    and unnormalised weighted values for :func:`_combine` (with ``COMBINE``, for the last program
+    of the key head's slices to finish, which combines them: :func:`_combine_group`). With
+    ``WRITE`` the step's new key and value rows are written at the cache's length first (by the
+    program whose slice holds that slot; one past the cache is dropped) and read from the
+    registers where the loop meets them; the last program to finish moves the length on by one."""
     if PDL:
         gdc_wait()  # launched early: wait until the kernel before has finished and its writes are seen
         gdc_launch_dependents()
